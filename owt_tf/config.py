@@ -1,0 +1,129 @@
+"""The one configuration object of a run: every CLI flag is a field of `RunConfig`.
+
+`validate()` checks every field against the others before anything is built, so that a
+bad combination fails in one line naming the flag, never halfway through training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+SCHEMES = ("single", "data", "owt-a", "owt-b", "owt-c")
+FC_BATCH_MODES = ("global", "worker")
+FC_EXCHANGES = ("gather", "colrow")
+LOSS_MODES = ("gathered", "sharded")
+LR_SCALINGS = ("linear", "sqrt", "none")
+
+
+class ConfigError(ValueError):
+    """A bad flag or flag combination. `flag` names the CLI flag at fault."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything that defines a run. Defaults are the no-flag demo run."""
+
+    model: str = "alexnet_tiny"
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    manual_dir: Optional[str] = None
+    devices: int = 2
+    scheme: str = "owt-b"
+    batch_size: int = 32  # per worker, as in the paper (128 per GPU there)
+    fc_batch: str = "global"
+    fc_exchange: str = "gather"
+    loss: str = "gathered"
+    steps: int = 500
+    lr: float = 0.02  # base rate for one worker's batch; scaled per layer kind
+    conv_lr_scaling: str = "linear"
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    dropout: float = 0.5
+    seed: int = 0
+    eval_every: int = 100
+    allow_cpu_devices: bool = True
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.devices
+
+    @property
+    def fc_batch_size(self) -> int:
+        """Examples behind one FC update: B in 'worker' mode, B*K in 'global' mode."""
+        return self.batch_size if self.fc_batch == "worker" else self.global_batch_size
+
+    @property
+    def conv_lr(self) -> float:
+        return self.lr * lr_scale(self.conv_lr_scaling, self.devices)
+
+    @property
+    def fc_lr(self) -> float:
+        # The FC rate follows the FC layers' own batch: unscaled when they keep B.
+        return self.lr * lr_scale(self.conv_lr_scaling, self.fc_batch_size // self.batch_size)
+
+    def validate(self) -> "RunConfig":
+        """Raises ConfigError for the first invalid field; returns self when all is well."""
+        _choice("--scheme", self.scheme, SCHEMES)
+        _choice("--fc-batch", self.fc_batch, FC_BATCH_MODES)
+        _choice("--fc-exchange", self.fc_exchange, FC_EXCHANGES)
+        _choice("--loss", self.loss, LOSS_MODES)
+        _choice("--conv-lr-scaling", self.conv_lr_scaling, LR_SCALINGS)
+        from owt_tf.models import MODEL_NAMES  # late: models import keras
+
+        _choice("--model", self.model, MODEL_NAMES)
+        _positive_int("--devices", self.devices)
+        _positive_int("--batch-size", self.batch_size)
+        _positive_int("--steps", self.steps)
+        if self.scheme == "single" and self.devices != 1:
+            raise ConfigError("--devices", f"scheme 'single' runs on 1 device, got {self.devices}")
+        if self.fc_batch == "worker" and self.scheme not in ("owt-b", "owt-c", "single"):
+            raise ConfigError(
+                "--fc-batch",
+                f"'worker' needs scheme owt-b or owt-c (rounds of one worker's batch), "
+                f"got {self.scheme}",
+            )
+        if self.scheme == "owt-c" and self.batch_size % self.devices:
+            raise ConfigError(
+                "--batch-size",
+                f"owt-c sends batch_size/devices examples per round: {self.batch_size} is not "
+                f"divisible by {self.devices}",
+            )
+        for flag, value in (("--lr", self.lr), ("--weight-decay", self.weight_decay)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(flag, f"must be a finite number >= 0, got {value}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("--momentum", f"must be in [0, 1), got {self.momentum}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("--dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.eval_every < 0:
+            raise ConfigError("--eval-every", f"must be >= 0, got {self.eval_every}")
+        return self
+
+
+def lr_scale(rule: str, k: int) -> float:
+    """How much a learning rate grows when the batch grows k-fold (PAPER.md, 'Variable batch')."""
+    if rule == "linear":
+        return float(k)
+    if rule == "sqrt":
+        return math.sqrt(k)
+    if rule == "none":
+        return 1.0
+    raise ConfigError("--conv-lr-scaling", f"unknown rule {rule!r}; allowed: {', '.join(LR_SCALINGS)}")
+
+
+def _choice(flag: str, value: str, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(flag, f"unknown value {value!r}; allowed: {', '.join(allowed)}")
+
+
+def _positive_int(flag: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(flag, f"must be an integer >= 1, got {value!r}")

@@ -1,0 +1,97 @@
+"""The paper's one-tower AlexNet and `alexnet_tiny`, the same shape sized for a 2-core CPU.
+
+Only the convolutional trunk is a Keras model; the FC layers are a HeadSpec because the
+parallelism plan (owt_tf.parallel) splits them over devices.
+"""
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from owt_tf.models.spec import HeadSpec, ModelSpec
+
+
+@keras.saving.register_keras_serializable(package="owt_tf")
+class CrossMapNorm(keras.layers.Layer):
+    """AlexNet's local response normalization across channels: a / (k + alpha*sum a^2)^beta.
+
+    Constants from Krizhevsky et al. 2012 (k=2, n=5, alpha=1e-4, beta=0.75); TF's lrn takes
+    the half-width n//2 and applies alpha to the plain sum, as in the 2012 formula.
+    """
+
+    def __init__(self, size: int = 5, k: float = 2.0, alpha: float = 1e-4, beta: float = 0.75, **kw):
+        super().__init__(**kw)
+        self.size, self.k, self.alpha, self.beta = size, k, alpha, beta
+
+    def call(self, x):
+        return tf.nn.local_response_normalization(
+            x, depth_radius=self.size // 2, bias=self.k, alpha=self.alpha, beta=self.beta
+        )
+
+    def get_config(self):
+        return {**super().get_config(), "size": self.size, "k": self.k,
+                "alpha": self.alpha, "beta": self.beta}
+
+
+def _conv(filters: int, size: int, stride: int = 1, padding: str = "same", name: str = None):
+    return keras.layers.Conv2D(filters, size, strides=stride, padding=padding,
+                               activation="relu", name=name)
+
+
+def _pool(name: str):
+    return keras.layers.MaxPooling2D(pool_size=3, strides=2, name=name)
+
+
+def _trunk(name, input_shape, filters, first_kernel, first_stride, first_pad, norm):
+    """conv1..conv5 with norm+pool after conv1 and conv2 and pool after conv5, then flatten."""
+    f1, f2, f3, f4, f5 = filters
+    layers = [keras.Input(input_shape, name="images")]
+    if first_pad:
+        layers.append(keras.layers.ZeroPadding2D(first_pad, name="conv1_pad"))
+    layers.append(_conv(f1, first_kernel, first_stride, "valid" if first_pad else "same", "conv1"))
+    if norm:
+        layers.append(CrossMapNorm(name="norm1"))
+    layers += [_pool("pool1"), _conv(f2, 5, name="conv2")]
+    if norm:
+        layers.append(CrossMapNorm(name="norm2"))
+    layers += [
+        _pool("pool2"),
+        _conv(f3, 3, name="conv3"),
+        _conv(f4, 3, name="conv4"),
+        _conv(f5, 3, name="conv5"),
+        _pool("pool5"),
+        keras.layers.Flatten(name="flatten"),
+    ]
+    return keras.Sequential(layers, name=name)
+
+
+def alexnet(num_classes: int = 1000, dropout: float = 0.5, response_norm: bool = True) -> ModelSpec:
+    """One-tower AlexNet (PAPER.md's table; conv4 has 256 filters as in cuda-convnet2).
+
+    224x224x3 -> conv1 11x11/4 pad 2 (55) -> pool (27) -> conv2 (27) -> pool (13) ->
+    conv3..5 (13) -> pool (6): 6*6*256 = 9216 features into fc6, fc7 (4096) and fc8.
+    """
+    shape = (224, 224, 3)
+    return ModelSpec(
+        name="alexnet",
+        input_shape=shape,
+        build_trunk=lambda: _trunk("alexnet_trunk", shape, (64, 192, 384, 256, 256), 11, 4, 2,
+                                   response_norm),
+        head=HeadSpec(hidden=(4096, 4096), num_classes=num_classes, dropout=dropout),
+    )
+
+
+def alexnet_tiny(num_classes: int = 10, dropout: float = 0.5, response_norm: bool = True) -> ModelSpec:
+    """AlexNet's shape for a 2-core CPU: 32x32x3 input, 5 convs (16-48 filters), FC 256, 256.
+
+    32 -> conv1 5x5 (32) -> pool (15) -> conv2 (15) -> pool (7) -> conv3..5 (7) -> pool (3):
+    3*3*32 = 288 features into the head.
+    """
+    shape = (32, 32, 3)
+    return ModelSpec(
+        name="alexnet_tiny",
+        input_shape=shape,
+        build_trunk=lambda: _trunk("alexnet_tiny_trunk", shape, (16, 32, 48, 32, 32), 5, 1, 0,
+                                   response_norm),
+        head=HeadSpec(hidden=(256, 256), num_classes=num_classes, dropout=dropout),
+    )

@@ -1,0 +1,78 @@
+"""What a model is to owt_tf: a Keras conv trunk plus a spec of the FC head.
+
+The engine never looks inside the trunk; it only needs its output width. The head is
+described, not built, because the parallelism plan decides how its layers are split.
+Initial weights come from here and depend on the seed only, never on K or the scheme.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Tuple
+
+import keras
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """The fully connected layers after the trunk: hidden widths (ReLU + dropout) then logits."""
+
+    hidden: Tuple[int, ...]
+    num_classes: int
+    dropout: float = 0.5
+
+    @property
+    def widths(self) -> Tuple[int, ...]:
+        return tuple(self.hidden) + (self.num_classes,)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A named network: `build_trunk()` makes a fresh Keras trunk; `head` describes the FC part."""
+
+    name: str
+    input_shape: Tuple[int, int, int]
+    build_trunk: Callable[[], keras.Model]
+    head: HeadSpec
+
+    def trunk_output_dim(self, trunk: keras.Model) -> int:
+        return int(np.prod(trunk.output_shape[1:]))
+
+
+def fc_param_count(in_dim: int, head: HeadSpec) -> int:
+    total, fan_in = 0, in_dim
+    for width in head.widths:
+        total += fan_in * width + width
+        fan_in = width
+    return total
+
+
+def initial_trunk_weights(trunk: keras.Model, seed: int) -> List[np.ndarray]:
+    """He-uniform kernels and zero biases for `trunk`, drawn in numpy from `seed` alone."""
+    rng = np.random.default_rng([seed, 0])
+    weights = []
+    for w in trunk.weights:
+        shape = tuple(w.shape)
+        if len(shape) > 1:
+            fan_in = int(np.prod(shape[:-1]))
+            limit = np.sqrt(6.0 / fan_in)
+            weights.append(rng.uniform(-limit, limit, size=shape).astype(np.float32))
+        else:
+            weights.append(np.zeros(shape, np.float32))
+    return weights
+
+
+def initial_head_weights(in_dim: int, head: HeadSpec, seed: int) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """Full (unsplit) (kernel, bias) per FC layer: He-uniform for hidden layers, Glorot for logits.
+
+    Drawn whole and only later split, so the same seed gives the same network at any K.
+    """
+    rng = np.random.default_rng([seed, 1])
+    layers, fan_in = [], in_dim
+    for i, width in enumerate(head.widths):
+        last = i == len(head.widths) - 1
+        limit = np.sqrt(6.0 / (fan_in + width)) if last else np.sqrt(6.0 / fan_in)
+        kernel = rng.uniform(-limit, limit, size=(fan_in, width)).astype(np.float32)
+        layers.append((kernel, np.zeros((width,), np.float32)))
+        fan_in = width
+    return layers

@@ -1,0 +1,128 @@
+"""How the last conv activations reach the FC shards each step: single, data, owt-a/b/c.
+
+This is where the paper's scheme (b) round loop lives (`run_fc_rounds`). A scheme is a list
+of rounds; each round is a set of rows of the global batch that every FC shard processes
+together (forward and backward) after one exchange:
+
+    single, owt-a   1 round: all B*K rows, all-gathered (PAPER.md scheme (a))
+    owt-b           K rounds: round r is worker r's B rows, sent to all (scheme (b))
+    owt-c           K rounds: round r is rows r*B/K ... of every worker (scheme (c))
+    data            1 round of the worker's own B rows, no exchange; FC layers mirrored
+
+Every replica computes the round's loss on the same rows; the exchange's gradient sums
+over replicas, so each replica's copy of the loss is divided by K (else every gradient is
+K times too large, DESIGN.md). With fc_batch='worker' the FC shards are updated after
+every round (K FC updates per conv update, the paper's (128K, 128) rows).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.shards import ShardedHead
+
+HYBRID_SCHEMES = ("single", "owt-a", "owt-b", "owt-c")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemePlan:
+    """The rounds of one step for `scheme` at K replicas of `batch_size` rows each."""
+
+    scheme: str
+    num_replicas: int
+    batch_size: int
+    fc_batch: str = "global"
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.scheme != "data"
+
+    @property
+    def num_rounds(self) -> int:
+        return self.num_replicas if self.scheme in ("owt-b", "owt-c") else 1
+
+    @property
+    def updates_fc_every_round(self) -> bool:
+        return self.fc_batch == "worker"
+
+    def round_rows(self, r: int) -> np.ndarray:
+        """Global-batch row indices that round r processes (replica k owns rows kB..kB+B-1)."""
+        k, b = self.num_replicas, self.batch_size
+        if self.scheme == "owt-b":
+            return np.arange(r * b, (r + 1) * b)
+        if self.scheme == "owt-c":
+            s = b // k
+            return np.concatenate([np.arange(j * b + r * s, j * b + (r + 1) * s) for j in range(k)])
+        return np.arange(k * b)
+
+    def exchange(self, r: int, a_local: tf.Tensor) -> tf.Tensor:
+        """Round r's rows of the last conv activations, the same on every replica."""
+        if self.scheme == "owt-b":
+            return coll.broadcast_from(a_local, r, coll.ACTIVATIONS)
+        if self.scheme == "owt-c":
+            s = self.batch_size // self.num_replicas
+            return coll.all_gather(a_local[r * s:(r + 1) * s], 0, coll.ACTIVATIONS)
+        return coll.all_gather(a_local, 0, coll.ACTIVATIONS)
+
+
+@dataclasses.dataclass
+class RoundsResult:
+    """What the FC rounds of one step leave for the trunk and the metrics."""
+
+    activation_grad: tf.Tensor  # d loss / d a_local, for the trunk's backward
+    fc_grads: List[List[tf.Tensor]]  # per applied FC update: grads of this shard's variables
+    loss_sum: tf.Tensor  # sum of per-example losses over the rows this replica reports
+    correct: tf.Tensor  # number of those rows classified right
+    count: int  # number of those rows
+
+
+FcUpdate = Callable[[List[tf.Tensor]], None]
+
+
+def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
+                  shard: int, training: bool, seed: Optional[tf.Tensor],
+                  apply_fc_update: FcUpdate) -> RoundsResult:
+    """Runs the FC layers over the step's rounds; returns the activation gradient.
+
+    `apply_fc_update(grads)` is called with this shard's FC gradients once per FC update:
+    after every round when fc_batch='worker', else once with the average over rounds.
+    """
+    labels = coll.gather_labels(y_local) if plan.model_parallel else y_local
+    # Model parallel: each of the K replicas holds a copy of the same loss, and the
+    # exchange's gradient sums the copies. Data parallel: own rows / (B*K), and the
+    # gradient all-reduce sums the K parts. Either way each replica weighs its loss by 1/K.
+    loss_weight = 1.0 / plan.num_replicas
+    shard_vars = head.shard_variables(shard)
+    activation_grad = tf.zeros_like(a_local)
+    summed_fc: Optional[List[tf.Tensor]] = None
+    applied: List[List[tf.Tensor]] = []
+    loss_sum, correct, count = tf.constant(0.0), tf.constant(0), 0
+    for r in range(plan.num_rounds):
+        round_seed = None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
+        round_labels = labels if plan.num_rounds == 1 else tf.gather(labels, plan.round_rows(r))
+        with tf.GradientTape() as tape:
+            tape.watch(a_local)
+            x = plan.exchange(r, a_local) if plan.model_parallel else a_local
+            logits = head.forward(x, shard, training, round_seed)
+            ce, right = head.loss_terms(logits, round_labels, shard)
+            loss = tf.reduce_mean(ce) * loss_weight
+        grads = tape.gradient(loss, [a_local] + shard_vars)
+        activation_grad += grads[0] / plan.num_rounds
+        fc_grads = grads[1:]
+        if plan.updates_fc_every_round:
+            apply_fc_update(fc_grads)
+            applied.append(fc_grads)
+        else:
+            summed_fc = fc_grads if summed_fc is None else [s + g for s, g in zip(summed_fc, fc_grads)]
+        loss_sum += tf.reduce_sum(ce)
+        correct += tf.reduce_sum(tf.cast(right, tf.int32))
+        count += int(ce.shape[0])
+    if not plan.updates_fc_every_round:
+        averaged = [g / plan.num_rounds for g in summed_fc]
+        apply_fc_update(averaged)
+        applied.append(averaged)
+    return RoundsResult(activation_grad, applied, loss_sum, correct, count)

@@ -1,0 +1,186 @@
+"""Model-parallel FC layers: where FC shards are placed, how a layer is split, how it runs.
+
+An FC layer of `in x out` weights is split over K devices either by output units ('col':
+shard k owns columns k*out/K ... of the kernel, the paper's split) or by input units
+('row': shard k owns rows k*in/K ..., Megatron's second half of a column/row pair).
+Shard k is a plain tf.Variable created under tf.device(devices[k]) *outside*
+strategy.scope(): inside the scope tf.device is ignored for variables
+(tensorflow/tensorflow#56416) and the variable would be mirrored.
+
+Class counts that K does not divide are padded with zero columns whose logits are masked
+out of the loss, so their gradient is exactly zero and they stay zero; `full_weights`
+drops them. Hidden widths must be divisible by K.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from owt_tf.models.spec import HeadSpec
+from owt_tf.parallel import collectives as coll
+
+COL, ROW = "col", "row"
+
+
+def split_plan(num_layers: int, fc_exchange: str) -> List[str]:
+    """How each FC layer is split. 'gather': all by output units, their outputs all-gathered.
+
+    'colrow' pairs hidden layers (column split, then row split, one all-reduce per pair);
+    the logits layer is always split by classes.
+    """
+    if fc_exchange == "gather":
+        return [COL] * num_layers
+    if fc_exchange == "colrow":
+        hidden = [COL if i % 2 == 0 else ROW for i in range(num_layers - 1)]
+        return hidden + [COL]
+    raise ValueError(f"unknown fc_exchange {fc_exchange!r}")
+
+
+def padded(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+class ShardedDense(tf.Module):
+    """One FC layer as K kernel/bias shards, shard k on devices[k].
+
+    With devices == [None] (pure data parallelism) it is a single unsplit layer whose
+    variables the caller creates under strategy.scope(), i.e. mirrored.
+    """
+
+    def __init__(self, name: str, kernel: np.ndarray, bias: np.ndarray, split: str,
+                 devices: Sequence[Optional[str]]):
+        super().__init__(name=name)
+        self.split = split
+        self.in_dim, self.out_dim = kernel.shape
+        self.num_shards = k = len(devices)
+        self.padded_out = padded(self.out_dim, k) if split == COL else self.out_dim
+        if split == ROW and (self.in_dim % k or self.out_dim % k):
+            raise ValueError(f"{name}: row split needs in ({self.in_dim}) and out "
+                             f"({self.out_dim}) divisible by {k}")
+        kernel = np.pad(kernel, [(0, 0), (0, self.padded_out - self.out_dim)])
+        bias = np.pad(bias, [(0, self.padded_out - self.out_dim)])
+        kernel_parts = np.split(kernel, k, axis=1 if split == COL else 0)
+        bias_parts = np.split(bias, k)
+        self.kernels: List[tf.Variable] = []
+        self.biases: List[tf.Variable] = []
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                self.kernels.append(tf.Variable(kernel_parts[i], name=f"{name}_kernel_{i}"))
+                self.biases.append(tf.Variable(bias_parts[i], name=f"{name}_bias_{i}"))
+
+    def shard_variables(self, k: int) -> List[tf.Variable]:
+        return [self.kernels[k], self.biases[k]]
+
+    def full_weights(self) -> Tuple[np.ndarray, np.ndarray]:
+        """The whole layer, shards concatenated and padding dropped (as numpy)."""
+        return assemble(self, [v.numpy() for v in self.kernels], [v.numpy() for v in self.biases])
+
+    def forward_shard(self, x: tf.Tensor, k: int) -> tf.Tensor:
+        """x @ kernel_k + bias_k. For ROW, x is this shard's input slice and the bias slice
+        lands on its own columns, so the all-reduce that follows adds every bias once."""
+        y = tf.matmul(x, self.kernels[k])
+        if self.split == COL:
+            return y + self.biases[k]
+        width = self.out_dim // self.num_shards
+        return y + tf.pad(self.biases[k], [[k * width, (self.num_shards - 1 - k) * width]])
+
+
+def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
+             bias_parts: Sequence[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """Joins per-shard kernel and bias arrays (weights, gradients or momenta) of `layer`."""
+    kernel = np.concatenate(kernel_parts, axis=1 if layer.split == COL else 0)
+    bias = np.concatenate(bias_parts, axis=0)
+    return kernel[:, :layer.out_dim], bias[:layer.out_dim]
+
+
+class ShardedHead(tf.Module):
+    """The FC layers of a HeadSpec, split for K shards, with the FC-to-FC exchange and loss."""
+
+    def __init__(self, spec: HeadSpec, full_weights: Sequence[Tuple[np.ndarray, np.ndarray]],
+                 devices: Sequence[Optional[str]], fc_exchange: str = "gather",
+                 loss: str = "gathered"):
+        super().__init__(name="head")
+        k = len(devices)
+        for width in spec.hidden:
+            if width % k:
+                raise ValueError(f"FC width {width} is not divisible by {k} devices")
+        self.spec = spec
+        self.num_shards = k
+        self.loss_mode = loss
+        plan = split_plan(len(spec.widths), fc_exchange)
+        self.layers = [
+            ShardedDense(f"fc{i}", kern, bias, split, devices)
+            for i, ((kern, bias), split) in enumerate(zip(full_weights, plan))
+        ]
+
+    def shard_variables(self, k: int) -> List[tf.Variable]:
+        return [v for layer in self.layers for v in layer.shard_variables(k)]
+
+    def full_weights(self) -> List[Tuple[np.ndarray, np.ndarray]]:
+        return [layer.full_weights() for layer in self.layers]
+
+    def forward(self, x: tf.Tensor, k: int, training: bool, seed: Optional[tf.Tensor]) -> tf.Tensor:
+        """Rows `x` (the same on every replica) through the FC layers; returns shard k's logits.
+
+        Between layers: a column-split layer's output slices are all-gathered, unless the next
+        layer is row-split and takes the slice as it is; a row-split layer's partial sums are
+        all-reduced.
+        """
+        layers = self.layers
+        for i, layer in enumerate(layers[:-1]):
+            z = layer.forward_shard(x, k)
+            if layer.split == ROW:
+                z = self._exchange(coll.all_reduce_sum, z)
+            h = tf.nn.relu(z)
+            # A ROW layer's output is whole and identical on every replica: same mask for all.
+            h = self._dropout(h, training, seed, i, k if layer.split == COL else 0)
+            if layer.split == COL and layers[i + 1].split == COL:
+                h = self._exchange(lambda t, p: coll.all_gather(t, 1, p), h)
+            x = h
+        return layers[-1].forward_shard(x, k)
+
+    def _exchange(self, op, t):
+        return t if self.num_shards == 1 else op(t, coll.FC_EXCHANGE)
+
+    def _dropout(self, h, training, seed, layer_index, salt):
+        rate = self.spec.dropout
+        if not training or rate == 0.0:
+            return h
+        layer_seed = tf.random.experimental.stateless_fold_in(seed, layer_index * 1024 + salt)
+        return tf.nn.experimental.stateless_dropout(h, rate=rate, seed=layer_seed)
+
+    def loss_terms(self, logits_shard: tf.Tensor, labels: tf.Tensor, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
+        """Per-example cross-entropy and top-1 correctness for rows whose labels are `labels`.
+
+        'gathered' all-gathers the logits; 'sharded' never does: the softmax normalizer and
+        the target logit are summed across shards, the max (which only stabilizes) is
+        gathered without gradient, since ReduceOp has no MAX.
+        """
+        if self.loss_mode == "sharded" and self.num_shards > 1:
+            return self._sharded_cross_entropy(logits_shard, labels, k)
+        logits = logits_shard
+        if self.num_shards > 1:
+            logits = coll.all_gather(logits_shard, 1, coll.LOGITS)
+        logits = logits[:, : self.spec.num_classes]
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        correct = tf.equal(tf.argmax(logits, axis=1, output_type=labels.dtype), labels)
+        return ce, correct
+
+    def _sharded_cross_entropy(self, logits, labels, k):
+        width = logits.shape[1]
+        classes = tf.range(k * width, (k + 1) * width)
+        valid = classes < self.spec.num_classes
+        lowest = tf.constant(logits.dtype.min, logits.dtype)
+        masked = tf.where(valid[None, :], logits, lowest)
+        local_max = tf.stop_gradient(tf.reduce_max(masked, axis=1, keepdims=True))
+        global_max = tf.reduce_max(coll.all_gather(local_max, 1, coll.LOGITS), axis=1)
+        shifted = tf.where(valid[None, :], logits - global_max[:, None], -np.inf)
+        sum_exp = coll.all_reduce_sum(tf.reduce_sum(tf.exp(shifted), axis=1), coll.LOGITS)
+        local_label = labels - k * width
+        mine = (local_label >= 0) & (local_label < width)
+        picked = tf.gather(logits, tf.clip_by_value(local_label, 0, width - 1), batch_dims=1)
+        target = coll.all_reduce_sum(tf.where(mine, picked, tf.zeros_like(picked)), coll.LOGITS)
+        ce = tf.math.log(sum_exp) + global_max - target
+        return ce, target >= global_max

@@ -1,0 +1,181 @@
+"""HybridStrategy: conv trunk data-parallel under MirroredStrategy, FC layers model-parallel.
+
+It wraps a tf.distribute.MirroredStrategy (the trunk's variables are MirroredVariables,
+its gradients all-reduced) and adds what tf.distribute has no notion of: FC layers whose
+shards live one per device (owt_tf.parallel.shards), activations moved between replicas
+by a scheme (owt_tf.parallel.schemes), and the byte ledger of everything exchanged.
+
+Usage, inside a tf.function:
+
+    hybrid = HybridStrategy(devices, "owt-b", fc_batch="worker")
+    model = hybrid.build_model(spec, seed)
+    optim = hybrid.build_optimizer(model, conv_lr, fc_lr, momentum, weight_decay)
+    metrics = hybrid.train_step(model, optim, dist_images, dist_labels, seed)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Dict, List, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from owt_tf.devices import make_strategy
+from owt_tf.models.spec import ModelSpec, initial_head_weights, initial_trunk_weights
+from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.schemes import SchemePlan, run_fc_rounds
+from owt_tf.parallel.shards import ShardedHead
+from owt_tf.training.optim import MirroredSGD, ShardSGD
+
+
+@dataclasses.dataclass
+class DistributedModel:
+    """A ModelSpec placed by a HybridStrategy: mirrored trunk + sharded (or mirrored) head."""
+
+    spec: ModelSpec
+    trunk: keras.Model
+    head: ShardedHead
+
+    def full_weights(self) -> Dict[str, List[np.ndarray]]:
+        """All weights as one device would hold them: trunk list and [(kernel, bias), ...]."""
+        return {"trunk": [np.asarray(w) for w in self.trunk.get_weights()],
+                "head": self.head.full_weights()}
+
+
+@dataclasses.dataclass
+class HybridOptimizer:
+    trunk: MirroredSGD
+    fc_mirrored: Optional[MirroredSGD]  # pure data parallelism
+    fc_shards: Optional[ShardSGD]  # model parallelism
+
+
+class HybridStrategy:
+    """The custom distribution strategy of owt_tf (wraps a MirroredStrategy)."""
+
+    def __init__(self, devices: Sequence[str], scheme: str, batch_size: int,
+                 fc_batch: str = "global", fc_exchange: str = "gather",
+                 loss: str = "gathered"):
+        self.devices = list(devices)
+        self.strategy = make_strategy(self.devices)
+        self.plan = SchemePlan(scheme, len(self.devices), batch_size, fc_batch)
+        self.fc_exchange = fc_exchange
+        self.loss = loss
+        self.ledger = coll.TrafficLedger()
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.devices)
+
+    # -- placement ---------------------------------------------------------------------
+    def build_model(self, spec: ModelSpec, seed: int) -> DistributedModel:
+        """Trunk mirrored on every device; FC shard k on devices[k] (or mirrored for 'data')."""
+        with self.strategy.scope():
+            trunk = spec.build_trunk()
+        trunk.set_weights(initial_trunk_weights(trunk, seed))
+        full = initial_head_weights(spec.trunk_output_dim(trunk), spec.head, seed)
+        if self.plan.model_parallel:
+            # Outside strategy.scope(): tf.device is ignored for variables created inside it
+            # (tensorflow/tensorflow#56416).
+            head = ShardedHead(spec.head, full, self.devices, self.fc_exchange, self.loss)
+        else:
+            with self.strategy.scope():
+                head = ShardedHead(spec.head, full, [None], "gather", "gathered")
+        return DistributedModel(spec, trunk, head)
+
+    def build_optimizer(self, model: DistributedModel, conv_lr: float, fc_lr: float,
+                        momentum: float, weight_decay: float) -> HybridOptimizer:
+        trunk = MirroredSGD(self.strategy, model.trunk.trainable_variables, conv_lr, momentum,
+                            weight_decay, coll.CONV_GRAD)
+        if self.plan.model_parallel:
+            shards = [model.head.shard_variables(k) for k in range(self.num_replicas)]
+            return HybridOptimizer(trunk, None, ShardSGD(shards, fc_lr, momentum, weight_decay))
+        fc = MirroredSGD(self.strategy, model.head.shard_variables(0), fc_lr, momentum,
+                         weight_decay, coll.FC_GRAD)
+        return HybridOptimizer(trunk, fc, None)
+
+    # -- steps (call inside a tf.function) ------------------------------------------------
+    def train_step(self, model: DistributedModel, optim: HybridOptimizer, images, labels,
+                   seed: Optional[tf.Tensor] = None, with_grads: bool = False) -> Dict[str, tf.Tensor]:
+        """One optimizer step on a distributed batch. Returns loss, error and (optionally) grads.
+
+        `seed` (int32 [2]) seeds dropout; it must differ per step. Traffic is counted into
+        `self.ledger` while the step is traced.
+        """
+        self.ledger = coll.TrafficLedger()
+        with coll.recording(self.ledger):
+            step = functools.partial(self._replica_train_step, model, optim, seed=seed,
+                                     with_grads=with_grads)
+            out = self.strategy.run(step, args=(images, labels))
+        return self._merge_replica_outputs(out)
+
+    def eval_step(self, model: DistributedModel, images, labels) -> Dict[str, tf.Tensor]:
+        """Loss and top-1/top-5 counts on a distributed batch; rows with label < 0 are padding."""
+        out = self.strategy.run(functools.partial(self._replica_eval_step, model),
+                                args=(images, labels))
+        return self._merge_replica_outputs(out)
+
+    def _shard_index(self) -> int:
+        return coll.replica_id() if self.plan.model_parallel else 0
+
+    def _replica_train_step(self, model, optim, images, labels, seed, with_grads):  # noqa: D401
+        shard = self._shard_index()
+        trunk_vars = model.trunk.trainable_variables
+        with tf.GradientTape() as trunk_tape:
+            activations = model.trunk(images, training=True)
+
+        def apply_fc(grads):
+            if optim.fc_shards is not None:
+                optim.fc_shards.apply(shard, grads)
+            else:
+                optim.fc_mirrored.apply(grads)
+
+        rounds = run_fc_rounds(self.plan, model.head, activations, labels, shard, True, seed,
+                               apply_fc)
+        trunk_grads = trunk_tape.gradient(activations, trunk_vars,
+                                          output_gradients=rounds.activation_grad)
+        optim.trunk.apply(trunk_grads)
+        out = {"loss_sum": rounds.loss_sum, "correct": rounds.correct,
+               "count": tf.constant(rounds.count)}
+        if with_grads:
+            out["trunk_grads"] = trunk_grads
+            out["fc_grads"] = rounds.fc_grads
+        return out
+
+    def _replica_eval_step(self, model, images, labels):
+        shard = self._shard_index()
+        activations = model.trunk(images, training=False)
+        if self.plan.model_parallel:
+            rows = coll.all_gather(activations, 0, coll.ACTIVATIONS)
+            labels = coll.gather_labels(labels)
+        else:
+            rows = activations
+        head = model.head
+        logits = head.forward(rows, shard, False, None)
+        if head.num_shards > 1:
+            logits = coll.all_gather(logits, 1, coll.LOGITS)
+        logits = logits[:, : head.spec.num_classes]
+        valid = labels >= 0
+        safe = tf.maximum(labels, 0)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=logits)
+        top1 = tf.math.in_top_k(safe, logits, 1) & valid
+        top5 = tf.math.in_top_k(safe, logits, min(5, head.spec.num_classes)) & valid
+        return {"loss_sum": tf.reduce_sum(tf.where(valid, ce, 0.0)),
+                "correct": tf.reduce_sum(tf.cast(top1, tf.int32)),
+                "correct_top5": tf.reduce_sum(tf.cast(top5, tf.int32)),
+                "count": tf.reduce_sum(tf.cast(valid, tf.int32))}
+
+    def _merge_replica_outputs(self, out) -> Dict[str, tf.Tensor]:
+        """Model parallel: every replica reports the same rows, take replica 0's numbers.
+        Data parallel: each reports its own rows, sum them. Gradients stay per replica."""
+        merged = {}
+        for key, value in out.items():
+            local = self.strategy.experimental_local_results(value)
+            if key in ("trunk_grads", "fc_grads"):
+                merged[key] = local
+            elif self.plan.model_parallel:
+                merged[key] = local[0]
+            else:
+                merged[key] = tf.add_n(list(local))
+        return merged

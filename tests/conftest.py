@@ -1,0 +1,19 @@
+"""Creates 8 logical CPU devices once per test session (before any TensorFlow op runs)."""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Op determinism keeps reductions in a fixed order, so reference comparisons are repeatable.
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+
+import pytest  # noqa: E402
+
+from owt_tf.devices import setup_devices  # noqa: E402
+
+NUM_TEST_DEVICES = 8
+DEVICES = setup_devices(NUM_TEST_DEVICES)
+
+
+@pytest.fixture(scope="session")
+def devices():
+    """The session's logical CPU devices; a test that needs K uses devices[:K]."""
+    return DEVICES
