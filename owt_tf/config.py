@@ -38,14 +38,14 @@ class RunConfig:
     fc_batch: str = "global"
     fc_exchange: str = "gather"
     loss: str = "gathered"
-    steps: int = 500
-    lr: float = 0.02  # base rate for one worker's batch; scaled per layer kind
+    steps: int = 600
+    lr: float = 0.01  # base rate for one worker's batch; scaled per layer kind
     conv_lr_scaling: str = "linear"
     momentum: float = 0.9
     weight_decay: float = 5e-4
     dropout: float = 0.5
     seed: int = 0
-    eval_every: int = 100
+    eval_every: int = 150
     allow_cpu_devices: bool = True
 
     def replace(self, **changes) -> "RunConfig":

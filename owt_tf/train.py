@@ -1,0 +1,85 @@
+"""`python -m owt_tf.train`: train a CNN with the hybrid scheme. No flags: the demo run.
+
+Every flag is a field of owt_tf.config.RunConfig. Bad flags fail in one line, exit code 2,
+before anything is built.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import List, Optional
+
+from owt_tf.config import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS, SCHEMES,
+                           ConfigError, RunConfig)
+
+HELP = {
+    "model": "network: alexnet (the paper's, 224x224) or alexnet_tiny (32x32, CPU-sized)",
+    "dataset": "digits (embedded default) or synthetic",
+    "data_dir": "where prepared datasets live",
+    "manual_dir": "where manually downloaded archives live",
+    "devices": "K: number of workers (GPUs, else logical CPU devices)",
+    "scheme": "single | data (pure data parallel) | owt-a | owt-b | owt-c (PAPER.md)",
+    "batch_size": "examples per worker per step (B); the global batch is B*K",
+    "fc_batch": "global: FC updated once per step on B*K; worker: after every round on B (b, c)",
+    "fc_exchange": "gather (paper: all-gather FC outputs) or colrow (Megatron column/row pairs)",
+    "loss": "gathered (all-gather logits) or sharded (class-sharded softmax cross-entropy)",
+    "steps": "optimizer steps to train",
+    "lr": "base learning rate for one worker's batch; conv and FC rates are scaled from it",
+    "conv_lr_scaling": "how the rate grows with the batch: linear, sqrt or none",
+    "momentum": "SGD momentum",
+    "weight_decay": "L2 weight decay (AlexNet's coupled form)",
+    "dropout": "dropout rate after fc6 and fc7",
+    "seed": "seed for weights, data order and dropout",
+    "eval_every": "validate every N steps (0: only at the end)",
+    "allow_cpu_devices": "use logical CPU devices when there are fewer GPUs than --devices",
+}
+CHOICES = {"scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
+           "loss": LOSS_MODES, "conv_lr_scaling": LR_SCALINGS}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but errors are a single line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="python -m owt_tf.train", description=__doc__,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = RunConfig()
+    for field in dataclasses.fields(RunConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(defaults, field.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=HELP[field.name])
+            continue
+        kind = type(default) if default is not None else str
+        parser.add_argument(flag, type=kind, default=default, help=HELP[field.name],
+                            choices=CHOICES.get(field.name))
+    return parser
+
+
+def parse_config(argv: Optional[List[str]] = None) -> RunConfig:
+    args = build_parser().parse_args(argv)
+    return RunConfig(**vars(args))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    config = parse_config(argv)
+    try:
+        config.validate()
+        from owt_tf.training.loop import Trainer  # imports TensorFlow: after validation
+
+        trainer = Trainer(config)
+    except ConfigError as err:
+        print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
+        return 2
+    trainer.fit()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

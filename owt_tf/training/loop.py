@@ -1,0 +1,140 @@
+"""The custom training loop: builds a run from a RunConfig and drives it step by step.
+
+The step is one tf.function around HybridStrategy.train_step (the distribution lives in
+owt_tf.parallel); this module owns the order of things: data, steps, validation,
+progress and the final summary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from owt_tf.config import ConfigError, RunConfig
+from owt_tf.data.datasets import load_dataset
+from owt_tf.devices import setup_devices
+from owt_tf.models import build_model
+from owt_tf.parallel.strategy import HybridStrategy
+
+
+@dataclasses.dataclass
+class StepMetrics:
+    loss: float
+    top1_error: float
+    images_per_sec: float
+    bytes_per_step: float
+
+
+@dataclasses.dataclass
+class EvalMetrics:
+    loss: float
+    top1_error: float
+    top5_error: float
+    examples: int
+
+
+def check_model_fits(config: RunConfig, hidden: Sequence[int]) -> None:
+    """FC widths must split evenly over the devices (class counts are padded instead)."""
+    k = config.devices if config.scheme != "data" else 1
+    for width in hidden:
+        if width % k:
+            raise ConfigError("--devices", f"model {config.model}'s FC width {width} is not "
+                              f"divisible by {config.devices} devices")
+
+
+class Trainer:
+    """One run: data, the distributed model, its optimizer and the compiled step."""
+
+    def __init__(self, config: RunConfig, devices: Optional[Sequence[str]] = None):
+        self.config = config.validate()
+        k = config.devices
+        self.devices = list(devices or setup_devices(k, config.allow_cpu_devices))[:k]
+        probe = build_model(config.model, num_classes=10, dropout=config.dropout)
+        self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed)
+        self.spec = build_model(config.model, self.dataset.num_classes, config.dropout)
+        check_model_fits(config, self.spec.head.hidden)
+        self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
+                                     config.fc_batch, config.fc_exchange, config.loss)
+        self.model = self.hybrid.build_model(self.spec, config.seed)
+        self.optimizer = self.hybrid.build_optimizer(
+            self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        strategy = self.hybrid.strategy
+        self._train_batches = iter(strategy.experimental_distribute_dataset(
+            self.dataset.train(config.global_batch_size, config.seed)))
+        self._train_fn = tf.function(self._train_step)
+        self._eval_fn = tf.function(self._eval_step)
+
+    # -- compiled bodies ------------------------------------------------------------------
+    def _train_step(self, images, labels):
+        seed = tf.stack([tf.constant(self.config.seed, tf.int64), self.step])
+        out = self.hybrid.train_step(self.model, self.optimizer, images, labels,
+                                     tf.cast(seed, tf.int32))
+        self.step.assign_add(1)
+        return out
+
+    def _eval_step(self, images, labels):
+        return self.hybrid.eval_step(self.model, images, labels)
+
+    # -- public ---------------------------------------------------------------------------
+    def train_step(self) -> StepMetrics:
+        """Runs one step on the next global batch."""
+        start = time.perf_counter()
+        images, labels = next(self._train_batches)
+        out = self._train_fn(images, labels)
+        count = int(out["count"])
+        loss = float(out["loss_sum"]) / count
+        seconds = time.perf_counter() - start
+        return StepMetrics(loss, 1.0 - int(out["correct"]) / count,
+                           self.config.global_batch_size / seconds,
+                           float(self.hybrid.ledger.total))
+
+    def evaluate(self) -> EvalMetrics:
+        """Loss and top-1/top-5 error over the whole validation split."""
+        strategy = self.hybrid.strategy
+        totals = {"loss_sum": 0.0, "correct": 0, "correct_top5": 0, "count": 0}
+        val = self.dataset.validation(self.config.global_batch_size)
+        for images, labels in strategy.experimental_distribute_dataset(val):
+            out = self._eval_fn(images, labels)
+            for key in totals:
+                totals[key] += out[key].numpy()
+        n = int(totals["count"])
+        return EvalMetrics(totals["loss_sum"] / n, 1 - totals["correct"] / n,
+                           1 - totals["correct_top5"] / n, n)
+
+    def fit(self, steps: Optional[int] = None, log: Callable[[str], None] = print,
+            progress: bool = True) -> Dict[str, float]:
+        """Trains for `steps` (default: config.steps), validating every config.eval_every."""
+        steps = steps or self.config.steps
+        # A live bar on a terminal; in a log file only the periodic lines below.
+        verbose = (1 if sys.stdout.isatty() else 0) if progress else 0
+        bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "error", "img/s"],
+                                  verbose=verbose)
+        history: List[StepMetrics] = []
+        started = time.perf_counter()
+        for i in range(1, steps + 1):
+            m = self.train_step()
+            history.append(m)
+            bar.update(i, [("loss", m.loss), ("error", m.top1_error), ("img/s", m.images_per_sec)])
+            if self.config.eval_every and i % self.config.eval_every == 0 and i < steps:
+                ev = self.evaluate()
+                log(f"step {i}/{steps}: train loss {m.loss:.4f} | val loss {ev.loss:.4f} "
+                    f"val top-1 error {ev.top1_error:.2%} | {m.images_per_sec:.0f} img/s")
+        wall = time.perf_counter() - started
+        ev = self.evaluate()
+        steady = [m.images_per_sec for m in history[1:]] or [history[0].images_per_sec]
+        summary = {"steps": steps, "train_loss": history[-1].loss, "val_loss": ev.loss,
+                   "val_top1_error": ev.top1_error, "val_top5_error": ev.top5_error,
+                   "images_per_sec": float(np.median(steady)), "wall_s": wall,
+                   "bytes_per_step": history[-1].bytes_per_step}
+        log(f"done: {steps} steps in {wall:.1f}s | {self.config.scheme} on "
+            f"{len(self.devices)} devices | val top-1 error {ev.top1_error:.2%} "
+            f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
+            f"{summary['images_per_sec']:.0f} img/s | "
+            f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/worker")
+        return summary

@@ -1,0 +1,62 @@
+"""Every scheme at every K equals an independent single-device reference (loss, grads, weights).
+
+Dropout off; 3 optimizer steps of SGD + momentum + weight decay; fp32, 1e-5 relative.
+The same runs check the byte ledger against the closed-form traffic formula, exactly.
+"""
+import pytest
+
+from engine_harness import compare_with_reference
+from owt_tf.parallel import traffic
+
+TOL = 1e-5
+
+CASES = (
+    [("single", 1, 8, "global", "gather", "gathered")]
+    + [(s, k, 8, "global", x, "gathered")
+       for k in (1, 2, 4) for s in ("data", "owt-a", "owt-b", "owt-c") for x in ("gather", "colrow")]
+    + [(s, k, 8, "worker", x, "gathered")
+       for k in (2, 4) for s in ("owt-b", "owt-c") for x in ("gather", "colrow")]
+    + [(s, 4, 8, fb, x, "sharded")
+       for s, fb, x in (("owt-a", "global", "gather"), ("owt-b", "worker", "colrow"),
+                        ("owt-c", "global", "colrow"))]
+    + [("owt-b", 8, 4, "worker", "gather", "gathered"),
+       ("owt-c", 8, 8, "global", "colrow", "sharded")]
+)
+
+
+def _id(case):
+    return "-".join(str(c) for c in case)
+
+
+@pytest.mark.parametrize("scheme,k,batch,fc_batch,fc_exchange,loss", CASES, ids=[_id(c) for c in CASES])
+def test_scheme_matches_single_device_reference(devices, scheme, k, batch, fc_batch, fc_exchange, loss):
+    result = compare_with_reference(devices, scheme, k, batch, fc_batch, fc_exchange, loss)
+    for what, err in result["worst"].items():
+        assert err < TOL, f"{what}: relative error {err:.3g}"
+    spec = result["spec"]
+    shape = traffic.NetworkShape(result["trunk_params"], result["features"], spec.head.hidden,
+                                 spec.head.num_classes)
+    expected = traffic.step_traffic(shape, scheme, k, batch, fc_exchange, loss)
+    ledger = result["ledger"]
+    for purpose, nbytes in expected.items():
+        assert ledger.by_purpose.get(purpose, 0) == nbytes, (purpose, ledger.summary(), expected)
+    if k > 1:
+        assert ledger.total > 0
+
+
+def test_reference_catches_a_wrong_gradient(devices, monkeypatch):
+    """The harness fails when the engine is wrong: scale the loss K-fold, as with reduce_mean
+    over the gathered batch, and the comparison must notice."""
+    from owt_tf.parallel import schemes
+
+    real = schemes.run_fc_rounds
+
+    def k_times_too_large(plan, *args, **kwargs):
+        wrong = schemes.SchemePlan(plan.scheme, plan.num_replicas, plan.batch_size, plan.fc_batch)
+        result = real(wrong, *args, **kwargs)
+        result.activation_grad = result.activation_grad * plan.num_replicas
+        return result
+
+    monkeypatch.setattr("owt_tf.parallel.strategy.run_fc_rounds", k_times_too_large)
+    result = compare_with_reference(devices, "owt-a", 2, 8, steps=1)
+    assert result["worst"]["trunk_grads"] > 0.5
