@@ -3,24 +3,28 @@
 Conv layers data-parallel (MirroredStrategy), FC layers model-parallel (one shard per
 device), activations exchanged with collective ops. Call `setup_devices(K)` before any
 other TensorFlow work: logical CPU devices can only be created before the runtime starts.
+
+Everything here loads lazily, so `import owt_tf` (and a CLI rejecting a bad flag) does not
+import TensorFlow.
 """
-from owt_tf.devices import setup_devices
+import importlib
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "setup_devices": "owt_tf.devices",
+    "HybridStrategy": "owt_tf.parallel.strategy",
+    "Trainer": "owt_tf.training.loop",
+    "RunConfig": "owt_tf.config",
+}
+
 
 def __getattr__(name):
-    # Lazy: importing owt_tf must not initialize TensorFlow's runtime before setup_devices.
-    if name == "HybridStrategy":
-        from owt_tf.parallel.strategy import HybridStrategy
-        return HybridStrategy
     if name == "models":
-        import owt_tf.models as models
-        return models
-    if name == "Trainer":
-        from owt_tf.training.loop import Trainer
-        return Trainer
+        return importlib.import_module("owt_tf.models")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)
 
 
-__all__ = ["setup_devices", "HybridStrategy", "models", "Trainer", "__version__"]
+__all__ = ["setup_devices", "HybridStrategy", "models", "Trainer", "RunConfig", "__version__"]

@@ -76,7 +76,7 @@ class RunConfig:
         _choice("--fc-exchange", self.fc_exchange, FC_EXCHANGES)
         _choice("--loss", self.loss, LOSS_MODES)
         _choice("--conv-lr-scaling", self.conv_lr_scaling, LR_SCALINGS)
-        from owt_tf.models import MODEL_NAMES  # late: models import keras
+        from owt_tf.models.registry import MODEL_NAMES
 
         _choice("--model", self.model, MODEL_NAMES)
         _positive_int("--devices", self.devices)
@@ -103,9 +103,22 @@ class RunConfig:
             raise ConfigError("--momentum", f"must be in [0, 1), got {self.momentum}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("--dropout", f"must be in [0, 1), got {self.dropout}")
+        self._check_model_fits()
         if self.eval_every < 0:
             raise ConfigError("--eval-every", f"must be >= 0, got {self.eval_every}")
         return self
+
+
+    def _check_model_fits(self) -> None:
+        """FC widths must split evenly over the devices (class counts are padded instead)."""
+        from owt_tf.models.registry import build_model
+
+        if self.scheme == "data":
+            return
+        for width in build_model(self.model, num_classes=2).head.hidden:
+            if width % self.devices:
+                raise ConfigError("--devices", f"model {self.model}'s FC width {width} is not "
+                                  f"divisible by {self.devices} devices")
 
 
 def lr_scale(rule: str, k: int) -> float:

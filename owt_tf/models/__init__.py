@@ -1,26 +1,23 @@
-"""Model definitions only: Keras conv trunks plus head specs. No parallelism here."""
+"""Model definitions only: Keras conv trunks plus head specs. No parallelism here.
+
+Importing this package does not import TensorFlow: a spec is data, and Keras loads when a
+trunk is built (the CLI validates --model and FC widths before anything heavy loads).
+"""
 from __future__ import annotations
 
-from typing import Callable, Dict
-
-from owt_tf.models.alexnet import CrossMapNorm, alexnet, alexnet_tiny
+from owt_tf.models.alexnet import alexnet, alexnet_tiny
+from owt_tf.models.registry import MODEL_NAMES, build_model
 from owt_tf.models.spec import (HeadSpec, ModelSpec, fc_param_count, initial_head_weights,
                                 initial_trunk_weights)
 
-MODELS: Dict[str, Callable[..., ModelSpec]] = {
-    "alexnet": alexnet,
-    "alexnet_tiny": alexnet_tiny,
-}
-MODEL_NAMES = tuple(MODELS)
+
+def __getattr__(name):
+    if name == "CrossMapNorm":  # a Keras layer: importing it imports TensorFlow
+        from owt_tf.models.layers import CrossMapNorm
+
+        return CrossMapNorm
+    raise AttributeError(name)
 
 
-def build_model(name: str, num_classes: int, dropout: float = 0.5) -> ModelSpec:
-    """The ModelSpec registered under `name`."""
-    if name not in MODELS:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
-    return MODELS[name](num_classes=num_classes, dropout=dropout)
-
-
-__all__ = ["MODELS", "MODEL_NAMES", "build_model", "HeadSpec", "ModelSpec", "CrossMapNorm",
-           "alexnet", "alexnet_tiny", "fc_param_count", "initial_head_weights",
-           "initial_trunk_weights"]
+__all__ = ["MODEL_NAMES", "build_model", "alexnet", "alexnet_tiny", "HeadSpec", "ModelSpec",
+           "fc_param_count", "initial_head_weights", "initial_trunk_weights", "CrossMapNorm"]

@@ -5,63 +5,36 @@ parallelism plan (owt_tf.parallel) splits them over devices.
 """
 from __future__ import annotations
 
-import keras
-import tensorflow as tf
-
 from owt_tf.models.spec import HeadSpec, ModelSpec
 
-
-@keras.saving.register_keras_serializable(package="owt_tf")
-class CrossMapNorm(keras.layers.Layer):
-    """AlexNet's local response normalization across channels: a / (k + alpha*sum a^2)^beta.
-
-    Constants from Krizhevsky et al. 2012 (k=2, n=5, alpha=1e-4, beta=0.75); TF's lrn takes
-    the half-width n//2 and applies alpha to the plain sum, as in the 2012 formula.
-    """
-
-    def __init__(self, size: int = 5, k: float = 2.0, alpha: float = 1e-4, beta: float = 0.75, **kw):
-        super().__init__(**kw)
-        self.size, self.k, self.alpha, self.beta = size, k, alpha, beta
-
-    def call(self, x):
-        return tf.nn.local_response_normalization(
-            x, depth_radius=self.size // 2, bias=self.k, alpha=self.alpha, beta=self.beta
-        )
-
-    def get_config(self):
-        return {**super().get_config(), "size": self.size, "k": self.k,
-                "alpha": self.alpha, "beta": self.beta}
-
-
-def _conv(filters: int, size: int, stride: int = 1, padding: str = "same", name: str = None):
-    return keras.layers.Conv2D(filters, size, strides=stride, padding=padding,
-                               activation="relu", name=name)
-
-
-def _pool(name: str):
-    return keras.layers.MaxPooling2D(pool_size=3, strides=2, name=name)
+# Keras loads only when a trunk is built: a spec (and the CLI's checks) needs no TensorFlow.
 
 
 def _trunk(name, input_shape, filters, first_kernel, first_stride, first_pad, norm):
     """conv1..conv5 with norm+pool after conv1 and conv2 and pool after conv5, then flatten."""
+    import keras
+
+    from owt_tf.models.layers import CrossMapNorm
+
+    def conv(filters, size, name, stride=1, padding="same"):
+        return keras.layers.Conv2D(filters, size, strides=stride, padding=padding,
+                                   activation="relu", name=name)
+
+    def pool(name):
+        return keras.layers.MaxPooling2D(pool_size=3, strides=2, name=name)
+
     f1, f2, f3, f4, f5 = filters
     layers = [keras.Input(input_shape, name="images")]
     if first_pad:
         layers.append(keras.layers.ZeroPadding2D(first_pad, name="conv1_pad"))
-    layers.append(_conv(f1, first_kernel, first_stride, "valid" if first_pad else "same", "conv1"))
+    layers.append(conv(f1, first_kernel, "conv1", first_stride, "valid" if first_pad else "same"))
     if norm:
         layers.append(CrossMapNorm(name="norm1"))
-    layers += [_pool("pool1"), _conv(f2, 5, name="conv2")]
+    layers += [pool("pool1"), conv(f2, 5, "conv2")]
     if norm:
         layers.append(CrossMapNorm(name="norm2"))
-    layers += [
-        _pool("pool2"),
-        _conv(f3, 3, name="conv3"),
-        _conv(f4, 3, name="conv4"),
-        _conv(f5, 3, name="conv5"),
-        _pool("pool5"),
-        keras.layers.Flatten(name="flatten"),
-    ]
+    layers += [pool("pool2"), conv(f3, 3, "conv3"), conv(f4, 3, "conv4"), conv(f5, 3, "conv5"),
+               pool("pool5"), keras.layers.Flatten(name="flatten")]
     return keras.Sequential(layers, name=name)
 
 

@@ -7,10 +7,12 @@ Initial weights come from here and depend on the seed only, never on K or the sc
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Tuple
+from typing import TYPE_CHECKING, Callable, List, Tuple
 
-import keras
 import numpy as np
+
+if TYPE_CHECKING:
+    import keras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +34,10 @@ class ModelSpec:
 
     name: str
     input_shape: Tuple[int, int, int]
-    build_trunk: Callable[[], keras.Model]
+    build_trunk: Callable[[], "keras.Model"]
     head: HeadSpec
 
-    def trunk_output_dim(self, trunk: keras.Model) -> int:
+    def trunk_output_dim(self, trunk: "keras.Model") -> int:
         return int(np.prod(trunk.output_shape[1:]))
 
 
@@ -47,7 +49,7 @@ def fc_param_count(in_dim: int, head: HeadSpec) -> int:
     return total
 
 
-def initial_trunk_weights(trunk: keras.Model, seed: int) -> List[np.ndarray]:
+def initial_trunk_weights(trunk: "keras.Model", seed: int) -> List[np.ndarray]:
     """He-uniform kernels and zero biases for `trunk`, drawn in numpy from `seed` alone."""
     rng = np.random.default_rng([seed, 0])
     weights = []

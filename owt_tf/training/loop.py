@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.config import ConfigError, RunConfig
+from owt_tf.config import RunConfig
 from owt_tf.data.datasets import load_dataset
 from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
@@ -38,15 +38,6 @@ class EvalMetrics:
     examples: int
 
 
-def check_model_fits(config: RunConfig, hidden: Sequence[int]) -> None:
-    """FC widths must split evenly over the devices (class counts are padded instead)."""
-    k = config.devices if config.scheme != "data" else 1
-    for width in hidden:
-        if width % k:
-            raise ConfigError("--devices", f"model {config.model}'s FC width {width} is not "
-                              f"divisible by {config.devices} devices")
-
-
 class Trainer:
     """One run: data, the distributed model, its optimizer and the compiled step."""
 
@@ -57,7 +48,6 @@ class Trainer:
         probe = build_model(config.model, num_classes=10, dropout=config.dropout)
         self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed)
         self.spec = build_model(config.model, self.dataset.num_classes, config.dropout)
-        check_model_fits(config, self.spec.head.hidden)
         self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
                                      config.fc_batch, config.fc_exchange, config.loss)
         self.model = self.hybrid.build_model(self.spec, config.seed)

@@ -1,0 +1,27 @@
+"""Keras layers the model definitions need that Keras does not ship."""
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package="owt_tf")
+class CrossMapNorm(keras.layers.Layer):
+    """AlexNet's local response normalization across channels: a / (k + alpha*sum a^2)^beta.
+
+    Constants from Krizhevsky et al. 2012 (k=2, n=5, alpha=1e-4, beta=0.75); TF's lrn takes
+    the half-width n//2 and applies alpha to the plain sum, as in the 2012 formula.
+    """
+
+    def __init__(self, size: int = 5, k: float = 2.0, alpha: float = 1e-4, beta: float = 0.75, **kw):
+        super().__init__(**kw)
+        self.size, self.k, self.alpha, self.beta = size, k, alpha, beta
+
+    def call(self, x):
+        return tf.nn.local_response_normalization(
+            x, depth_radius=self.size // 2, bias=self.k, alpha=self.alpha, beta=self.beta
+        )
+
+    def get_config(self):
+        return {**super().get_config(), "size": self.size, "k": self.k,
+                "alpha": self.alpha, "beta": self.beta}

@@ -1,0 +1,18 @@
+"""Model names -> builders. Imports nothing heavy, so flags can be checked without TensorFlow."""
+from __future__ import annotations
+
+import importlib
+
+MODEL_BUILDERS = {
+    "alexnet": "owt_tf.models.alexnet:alexnet",
+    "alexnet_tiny": "owt_tf.models.alexnet:alexnet_tiny",
+}
+MODEL_NAMES = tuple(MODEL_BUILDERS)
+
+
+def build_model(name: str, num_classes: int, dropout: float = 0.5):
+    """The ModelSpec registered under `name`."""
+    if name not in MODEL_BUILDERS:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
+    module, function = MODEL_BUILDERS[name].split(":")
+    return getattr(importlib.import_module(module), function)(num_classes=num_classes, dropout=dropout)

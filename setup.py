@@ -1,0 +1,23 @@
+"""owt_tf: Krizhevsky's 'one weird trick' (conv data-parallel, FC model-parallel) in TF2/Keras 3."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+
+def requirements():
+    lines = (HERE / "requirements.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+setup(
+    name="owt_tf",
+    version="0.1.0",
+    description=__doc__,
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["owt_tf", "owt_tf.*"]),
+    python_requires=">=3.10",
+    install_requires=requirements(),
+)

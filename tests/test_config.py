@@ -1,0 +1,79 @@
+"""Bad configurations fail before anything is built: one line naming the flag, exit code 2."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from owt_tf.config import ConfigError, RunConfig
+
+BAD = [
+    (dict(scheme="owt-d"), "--scheme"),
+    (dict(model="resnet"), "--model"),
+    (dict(devices=0), "--devices"),
+    (dict(devices=-2), "--devices"),
+    (dict(scheme="owt-c", devices=4, batch_size=6), "--batch-size"),
+    (dict(scheme="owt-a", fc_batch="worker"), "--fc-batch"),
+    (dict(scheme="data", fc_batch="worker"), "--fc-batch"),
+    (dict(scheme="single", devices=2), "--devices"),
+    (dict(fc_exchange="ring"), "--fc-exchange"),
+    (dict(conv_lr_scaling="cubic"), "--conv-lr-scaling"),
+    (dict(lr=float("nan")), "--lr"),
+    (dict(momentum=1.0), "--momentum"),
+    (dict(dropout=1.0), "--dropout"),
+    (dict(batch_size=0), "--batch-size"),
+    (dict(steps=0), "--steps"),
+]
+
+
+@pytest.mark.parametrize("changes,flag", BAD, ids=[f for _, f in BAD])
+def test_invalid_config_names_the_flag(changes, flag):
+    with pytest.raises(ConfigError) as err:
+        RunConfig(**changes).validate()
+    assert err.value.flag == flag
+    assert str(err.value).startswith(flag)
+
+
+def test_fc_width_not_divisible_by_devices():
+    with pytest.raises(ConfigError, match="FC width 256 is not divisible by 3"):
+        RunConfig(devices=3, scheme="owt-a").validate()
+    RunConfig(devices=3, scheme="data").validate()  # mirrored FC layers are not split
+    RunConfig(devices=4, scheme="owt-b").validate()  # 10 classes over 4: padded, allowed
+
+
+def test_learning_rates_follow_the_scaling_rules():
+    c = RunConfig(lr=0.01, devices=4, scheme="owt-b", conv_lr_scaling="linear")
+    assert c.conv_lr == pytest.approx(0.04) and c.fc_lr == pytest.approx(0.04)
+    w = c.replace(fc_batch="worker")  # the paper's (128K, 128): FC rate unscaled
+    assert w.conv_lr == pytest.approx(0.04) and w.fc_lr == pytest.approx(0.01)
+    s = c.replace(conv_lr_scaling="sqrt")
+    assert s.conv_lr == pytest.approx(0.02)
+    assert c.replace(conv_lr_scaling="none").conv_lr == pytest.approx(0.01)
+
+
+def _cli(*args, cwd):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, "-m", "owt_tf.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+CLI_BAD = [
+    (["--scheme", "owt-z"], "--scheme"),
+    (["--model", "vgg99"], "--model"),
+    (["--devices", "0"], "--devices"),
+    (["--scheme", "owt-c", "--devices", "4", "--batch-size", "6"], "--batch-size"),
+    (["--devices", "3"], "--devices"),  # alexnet_tiny's FC width 256 over 3 devices
+    (["--batch-size", "many"], "--batch-size"),
+    (["--no-such-flag"], "--no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("args,flag", CLI_BAD, ids=[a[1] for a in CLI_BAD])
+def test_cli_rejects_bad_flags_in_one_line(tmp_path, args, flag):
+    before = set(os.listdir(tmp_path))
+    proc = _cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "error" in lines[0] and flag in lines[0], proc.stderr
+    assert proc.stdout == ""
+    assert set(os.listdir(tmp_path)) == before  # nothing written

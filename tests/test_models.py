@@ -1,0 +1,70 @@
+"""The networks: the paper's parameter counts and shapes, and response normalization's formula."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from owt_tf.models import (CrossMapNorm, alexnet, alexnet_tiny, build_model, fc_param_count,
+                           initial_head_weights, initial_trunk_weights)
+
+
+def test_alexnet_parameter_counts_match_the_paper():
+    spec = alexnet(num_classes=1000)
+    trunk = spec.build_trunk()
+    assert trunk.output_shape == (None, 9216)  # 6 x 6 x 256
+    assert trunk.count_params() == 2_469_696
+    assert fc_param_count(spec.trunk_output_dim(trunk), spec.head) == 58_631_144
+    assert spec.head.hidden == (4096, 4096) and spec.head.dropout == 0.5
+
+
+def test_alexnet_layer_shapes():
+    trunk = alexnet().build_trunk()
+    shapes = {layer.name: layer.output.shape[1:] for layer in trunk.layers}
+    assert shapes["conv1"] == (55, 55, 64)
+    assert shapes["pool1"] == (27, 27, 64)
+    assert shapes["conv2"] == (27, 27, 192)
+    assert shapes["pool2"] == (13, 13, 192)
+    assert shapes["conv4"] == (13, 13, 256)
+    assert shapes["pool5"] == (6, 6, 256)
+
+
+def test_alexnet_tiny_is_the_same_shape_of_network():
+    spec = alexnet_tiny()
+    trunk = spec.build_trunk()
+    names = [layer.name for layer in trunk.layers]
+    for name in ("conv1", "norm1", "pool1", "conv2", "norm2", "pool2", "conv3", "conv4", "conv5", "pool5"):
+        assert name in names
+    assert trunk.output_shape == (None, 288)
+    assert spec.head.hidden == (256, 256)
+
+
+def test_response_norm_is_switchable():
+    names = [layer.name for layer in alexnet(response_norm=False).build_trunk().layers]
+    assert "norm1" not in names and "norm2" not in names
+
+
+def test_cross_map_norm_matches_the_2012_formula():
+    x = np.random.default_rng(0).normal(size=(2, 3, 3, 12)).astype(np.float32) * 10
+    got = CrossMapNorm()(tf.constant(x)).numpy()
+    want = np.empty_like(x)
+    n, k, alpha, beta = 5, 2.0, 1e-4, 0.75
+    for c in range(12):
+        lo, hi = max(0, c - n // 2), min(12, c + n // 2 + 1)
+        want[..., c] = x[..., c] / (k + alpha * (x[..., lo:hi] ** 2).sum(-1)) ** beta
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_initial_weights_depend_on_the_seed_only():
+    spec = alexnet_tiny()
+    a = initial_trunk_weights(spec.build_trunk(), 3)
+    b = initial_trunk_weights(spec.build_trunk(), 3)
+    c = initial_trunk_weights(spec.build_trunk(), 4)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[0], c[0])
+    h1, h2 = initial_head_weights(288, spec.head, 3), initial_head_weights(288, spec.head, 3)
+    assert all(np.array_equal(k1, k2) for (k1, _), (k2, _) in zip(h1, h2))
+    assert [k.shape for k, _ in h1] == [(288, 256), (256, 256), (256, 10)]
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(KeyError, match="unknown model"):
+        build_model("resnet", 10)

@@ -1,0 +1,41 @@
+"""The traffic formula against PAPER.md's figures for the paper's AlexNet (B=128, fp32)."""
+import pytest
+
+from owt_tf.parallel import collectives as coll
+from owt_tf.parallel import traffic
+
+ALEXNET = traffic.NetworkShape(trunk_params=2_469_696, features=9216, hidden=(4096, 4096),
+                               num_classes=1000)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_data_parallel_all_reduces_every_parameter(k):
+    t = traffic.step_traffic(ALEXNET, "data", k, 128)
+    params = 2_469_696 + 58_631_144
+    assert traffic.total(t) == coll.all_reduce_cost(params * 4, k)
+    # PAPER.md: each worker sends 2 (K-1)/K * 244 MB
+    assert float(traffic.total(t)) / 1e6 == pytest.approx(2 * (k - 1) / k * 244.4, rel=1e-3)
+
+
+def test_data_parallel_at_k8_moves_427_7_mb():
+    assert float(traffic.total(traffic.step_traffic(ALEXNET, "data", 8, 128))) / 1e6 == pytest.approx(427.7, abs=0.05)
+
+
+@pytest.mark.parametrize("scheme", ["owt-a", "owt-b", "owt-c"])
+def test_hybrid_moves_a_fraction_of_data_parallel_bytes(scheme):
+    data = traffic.total(traffic.step_traffic(ALEXNET, "data", 8, 128))
+    hybrid = traffic.total(traffic.step_traffic(ALEXNET, scheme, 8, 128))
+    conv_only = coll.all_reduce_cost(2_469_696 * 4, 8)
+    assert conv_only < hybrid < data / 1.5
+
+
+def test_one_worker_moves_nothing():
+    for scheme in ("single", "data", "owt-a", "owt-b", "owt-c"):
+        assert traffic.total(traffic.step_traffic(ALEXNET, scheme, 1, 128)) == 0
+
+
+def test_colrow_and_sharded_loss_move_less_than_gather():
+    base = traffic.total(traffic.step_traffic(ALEXNET, "owt-a", 4, 128))
+    colrow = traffic.total(traffic.step_traffic(ALEXNET, "owt-a", 4, 128, fc_exchange="colrow"))
+    sharded = traffic.total(traffic.step_traffic(ALEXNET, "owt-a", 4, 128, loss="sharded"))
+    assert colrow < base and sharded < base
