@@ -46,6 +46,7 @@ class RunConfig:
     dropout: float = 0.5
     seed: int = 0
     eval_every: int = 150
+    jit: bool = False
     allow_cpu_devices: bool = True
 
     def replace(self, **changes) -> "RunConfig":

@@ -32,6 +32,7 @@ HELP = {
     "dropout": "dropout rate after fc6 and fc7",
     "seed": "seed for weights, data order and dropout",
     "eval_every": "validate every N steps (0: only at the end)",
+    "jit": "XLA-compile the conv trunk's forward and backward on each device",
     "allow_cpu_devices": "use logical CPU devices when there are fewer GPUs than --devices",
 }
 CHOICES = {"scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,

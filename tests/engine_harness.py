@@ -50,10 +50,10 @@ def assembled_fc_grads(hybrid: HybridStrategy, model, per_replica) -> List[List[
 
 def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: str = "global",
                            fc_exchange: str = "gather", loss: str = "gathered",
-                           steps: int = 3, classes: int = 10) -> Dict[str, float]:
+                           steps: int = 3, classes: int = 10, jit: bool = False) -> Dict[str, float]:
     """Worst relative error of loss, gradients and weights over `steps` steps, and the ledger."""
     spec = alexnet_tiny(num_classes=classes, dropout=0.0)
-    hybrid = HybridStrategy(devices[:k], scheme, batch, fc_batch, fc_exchange, loss)
+    hybrid = HybridStrategy(devices[:k], scheme, batch, fc_batch, fc_exchange, loss, jit=jit)
     model = hybrid.build_model(spec, seed=7)
     optim = hybrid.build_optimizer(model, CONV_LR, FC_LR, MOMENTUM, WD)
     ref = ReferenceModel(spec, seed=7)

@@ -19,7 +19,9 @@ CASES = (
     + [(s, 4, 8, fb, x, "sharded")
        for s, fb, x in (("owt-a", "global", "gather"), ("owt-b", "worker", "colrow"),
                         ("owt-c", "global", "colrow"))]
+    # K=8: enough replicas that an ambiguous order of backward collectives shows up
     + [("owt-b", 8, 4, "worker", "gather", "gathered"),
+       ("owt-b", 8, 4, "global", "colrow", "sharded"),
        ("owt-c", 8, 8, "global", "colrow", "sharded")]
 )
 
@@ -42,6 +44,16 @@ def test_scheme_matches_single_device_reference(devices, scheme, k, batch, fc_ba
         assert ledger.by_purpose.get(purpose, 0) == nbytes, (purpose, ledger.summary(), expected)
     if k > 1:
         assert ledger.total > 0
+
+
+JIT_CASES = [("owt-a", 2, "global", "gather"), ("owt-b", 4, "worker", "colrow"), ("data", 2, "global", "gather")]
+
+
+@pytest.mark.parametrize("scheme,k,fc_batch,fc_exchange", JIT_CASES, ids=[_id(c) for c in JIT_CASES])
+def test_xla_compiled_trunk_stays_exact(devices, scheme, k, fc_batch, fc_exchange):
+    result = compare_with_reference(devices, scheme, k, 8, fc_batch, fc_exchange, jit=True, steps=2)
+    for what, err in result["worst"].items():
+        assert err < TOL, f"{what}: relative error {err:.3g}"
 
 
 def test_reference_catches_a_wrong_gradient(devices, monkeypatch):

@@ -149,26 +149,55 @@ def _all_gather_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
     return gathered
 
 
+def _launcher():
+    """The strategy's per-replica collective launcher: its group, instance keys and ordering
+    token. Raw collectives inside strategy.run hang unless ordered with the strategy's own
+    per-device token (auto control dependencies chain them across replicas otherwise)."""
+    ctx = _ctx()
+    cross_device_ops = ctx.strategy.extended._cross_device_ops  # pylint: disable=protected-access
+    launchers = getattr(cross_device_ops, "_launchers", None)
+    if launchers is None:
+        raise RuntimeError("owt_tf needs MirroredStrategy with collective ops (CollectiveAllReduce); "
+                           f"got {type(cross_device_ops).__name__}")
+    return launchers[replica_id()]
+
+
+def _reduce_scatter_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
+    """Sum over replicas of `x`, keeping only this replica's 1/K block along `axis`.
+
+    CollectiveReduceScatterV2 has only an NCCL kernel (tensorflow/tensorflow#59101; on CPU:
+    "CollectiveRegistry::Lookup did not find collective implementation"), and ReplicaContext
+    has no reduce-scatter, so: an all-to-all that sends block j to replica j, then a local
+    sum. Per worker that sends (K-1)/K of x, as a ring reduce-scatter does.
+    """
+    from tensorflow.python.ops import collective_ops  # the strategy's own collective layer
+
+    k = num_replicas()
+    record(purpose, "reduce_scatter", reduce_scatter_cost(tensor_bytes(x), k))
+    blocks = tf.stack(tf.split(x, k, axis=axis), axis=0)  # [K, ...block]
+    launcher = _launcher()
+    with tf.device(launcher._device):  # pylint: disable=protected-access
+        exchanged = collective_ops.all_to_all_v2(
+            blocks, launcher._group_size, launcher._group_key,  # pylint: disable=protected-access
+            launcher._next_instance_key(),  # pylint: disable=protected-access
+            ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
+    exchanged.set_shape(blocks.shape)
+    return tf.reduce_sum(exchanged, axis=0)
+
+
 def all_gather(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
     """Concatenates every replica's `x` along `axis`, in replica order. Differentiable.
 
-    Backward: each replica's slice of the summed upstream gradient (an all-reduce of the
-    full gradient, then this replica's slice).
+    Backward: a reduce-scatter; each replica receives only the sum of the gradients for its
+    own block, half the bytes of ReplicaContext.all_gather's built-in all-reduce gradient.
     """
-    k, me = num_replicas(), replica_id()
-    if k == 1:
+    if num_replicas() == 1:
         return x
-    local = x.shape[axis]
 
     @tf.custom_gradient
     def gather(v):
         def grad(dy):
-            total = _all_reduce_sum_counted(dy, purpose)
-            begin = [0] * total.shape.rank
-            begin[axis] = me * local
-            size = [-1] * total.shape.rank
-            size[axis] = local
-            return tf.slice(total, begin, size)
+            return _reduce_scatter_counted(dy, axis, purpose)
 
         return _all_gather_counted(v, axis, purpose), grad
 

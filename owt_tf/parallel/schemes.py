@@ -90,28 +90,44 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
 
     `apply_fc_update(grads)` is called with this shard's FC gradients once per FC update:
     after every round when fc_batch='worker', else once with the average over rounds.
+
+    Every round's activation exchange is issued before any round's FC work, and every
+    round's backward exchange after the last round. The strategy runs a device's
+    collectives in program order (one ordering token per device), so this order lets
+    round r's FC compute overlap the transfer of rounds r+1... (the paper's point about
+    scheme (b)); issuing exchange r+1 after round r would serialize them.
     """
     labels = coll.gather_labels(y_local) if plan.model_parallel else y_local
     # Model parallel: each of the K replicas holds a copy of the same loss, and the
     # exchange's gradient sums the copies. Data parallel: own rows / (B*K), and the
     # gradient all-reduce sums the K parts. Either way each replica weighs its loss by 1/K.
     loss_weight = 1.0 / plan.num_replicas
+    rounds = range(plan.num_rounds)
+    # One tape per exchange, differentiated in round order below. With one tape over all of
+    # them the tape would pick among equally ready backward collectives in an order that
+    # differs between replicas (tensor ids interleave across replica threads), pairing
+    # round r's gradient with round r' on another replica: wrong numbers, no error.
+    exchange_tapes, inputs = [], []
+    for r in rounds:
+        with tf.GradientTape() as exchange_tape:
+            exchange_tape.watch(a_local)
+            inputs.append(plan.exchange(r, a_local) if plan.model_parallel else tf.identity(a_local))
+        exchange_tapes.append(exchange_tape)
     shard_vars = head.shard_variables(shard)
-    activation_grad = tf.zeros_like(a_local)
+    input_grads: List[tf.Tensor] = []
     summed_fc: Optional[List[tf.Tensor]] = None
     applied: List[List[tf.Tensor]] = []
     loss_sum, correct, count = tf.constant(0.0), tf.constant(0), 0
-    for r in range(plan.num_rounds):
+    for r in rounds:
         round_seed = None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
         round_labels = labels if plan.num_rounds == 1 else tf.gather(labels, plan.round_rows(r))
         with tf.GradientTape() as tape:
-            tape.watch(a_local)
-            x = plan.exchange(r, a_local) if plan.model_parallel else a_local
-            logits = head.forward(x, shard, training, round_seed)
+            tape.watch(inputs[r])
+            logits = head.forward(inputs[r], shard, training, round_seed)
             ce, right = head.loss_terms(logits, round_labels, shard)
             loss = tf.reduce_mean(ce) * loss_weight
-        grads = tape.gradient(loss, [a_local] + shard_vars)
-        activation_grad += grads[0] / plan.num_rounds
+        grads = tape.gradient(loss, [inputs[r]] + shard_vars)
+        input_grads.append(grads[0] / plan.num_rounds)
         fc_grads = grads[1:]
         if plan.updates_fc_every_round:
             apply_fc_update(fc_grads)
@@ -125,4 +141,6 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
         averaged = [g / plan.num_rounds for g in summed_fc]
         apply_fc_update(averaged)
         applied.append(averaged)
+    activation_grad = tf.add_n([tape.gradient(x, a_local, output_gradients=g)
+                                for tape, x, g in zip(exchange_tapes, inputs, input_grads)])
     return RoundsResult(activation_grad, applied, loss_sum, correct, count)

@@ -177,10 +177,14 @@ class ShardedHead(tf.Module):
         local_max = tf.stop_gradient(tf.reduce_max(masked, axis=1, keepdims=True))
         global_max = tf.reduce_max(coll.all_gather(local_max, 1, coll.LOGITS), axis=1)
         shifted = tf.where(valid[None, :], logits - global_max[:, None], -np.inf)
-        sum_exp = coll.all_reduce_sum(tf.reduce_sum(tf.exp(shifted), axis=1), coll.LOGITS)
         local_label = labels - k * width
         mine = (local_label >= 0) & (local_label < width)
         picked = tf.gather(logits, tf.clip_by_value(local_label, 0, width - 1), batch_dims=1)
-        target = coll.all_reduce_sum(tf.where(mine, picked, tf.zeros_like(picked)), coll.LOGITS)
+        # Normalizer and target logit in one all-reduce: two separate ones would both be
+        # ready at once in the backward pass, in an order that can differ between replicas.
+        local_terms = tf.stack([tf.reduce_sum(tf.exp(shifted), axis=1),
+                                tf.where(mine, picked, tf.zeros_like(picked))], axis=1)
+        terms = coll.all_reduce_sum(local_terms, coll.LOGITS)
+        sum_exp, target = terms[:, 0], terms[:, 1]
         ce = tf.math.log(sum_exp) + global_max - target
         return ce, target >= global_max

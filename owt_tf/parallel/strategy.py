@@ -56,12 +56,14 @@ class HybridStrategy:
 
     def __init__(self, devices: Sequence[str], scheme: str, batch_size: int,
                  fc_batch: str = "global", fc_exchange: str = "gather",
-                 loss: str = "gathered"):
+                 loss: str = "gathered", jit: bool = False):
         self.devices = list(devices)
         self.strategy = make_strategy(self.devices)
         self.plan = SchemePlan(scheme, len(self.devices), batch_size, fc_batch)
         self.fc_exchange = fc_exchange
         self.loss = loss
+        self.jit = jit
+        self._compiled_trunks: Dict[tuple, tf.types.experimental.GenericFunction] = {}
         self.ledger = coll.TrafficLedger()
 
     @property
@@ -116,6 +118,25 @@ class HybridStrategy:
                                 args=(images, labels))
         return self._merge_replica_outputs(out)
 
+    def _trunk(self, model: DistributedModel, training: bool):
+        """The trunk's forward pass; with jit, an XLA-compiled function per replica.
+
+        Only this pure compute block is compiled: jit_compile on the whole step or replica
+        function fails ("Trying to access resource ... located in device CPU:1 from device
+        CPU:0": MirroredStrategy wraps one XLA cluster around all replicas unless every device
+        is a GPU; CollectiveGatherV2 has no XLA kernel, keras-team/keras#18110). One function
+        per replica, so that each captures its own replica's variables.
+        """
+        def forward(images):
+            return model.trunk(images, training=training)
+
+        if not self.jit:
+            return forward
+        key = (id(model), training, coll.replica_id())
+        if key not in self._compiled_trunks:
+            self._compiled_trunks[key] = tf.function(forward, jit_compile=True)
+        return self._compiled_trunks[key]
+
     def _shard_index(self) -> int:
         return coll.replica_id() if self.plan.model_parallel else 0
 
@@ -123,7 +144,7 @@ class HybridStrategy:
         shard = self._shard_index()
         trunk_vars = model.trunk.trainable_variables
         with tf.GradientTape() as trunk_tape:
-            activations = model.trunk(images, training=True)
+            activations = self._trunk(model, True)(images)
 
         def apply_fc(grads):
             if optim.fc_shards is not None:
@@ -145,7 +166,7 @@ class HybridStrategy:
 
     def _replica_eval_step(self, model, images, labels):
         shard = self._shard_index()
-        activations = model.trunk(images, training=False)
+        activations = self._trunk(model, False)(images)
         if self.plan.model_parallel:
             rows = coll.all_gather(activations, 0, coll.ACTIVATIONS)
             labels = coll.gather_labels(labels)

@@ -3,7 +3,7 @@
 Written from the scheme definitions (PAPER.md), not from the engine's code, so that a test
 can hold the ledger (owt_tf.parallel.collectives, filled while a real step is traced) to
 it exactly; the planner prices schemes with it. Ring costs per worker, fp32 activations,
-int32 labels: all-gather (K-1)*block, all-reduce 2(K-1)/K*T.
+int32 labels: all-gather (K-1)*block, all-reduce 2(K-1)/K*T, reduce-scatter (K-1)/K*T.
 """
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def _reduce(total_bytes, k) -> Fraction:
     return Fraction(2 * (k - 1) * total_bytes, k)
 
 
+def _scatter(total_bytes, k) -> Fraction:
+    return Fraction((k - 1) * total_bytes, k)
+
+
 def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,
                  fc_exchange: str = "gather", loss: str = "gathered") -> Dict[str, Fraction]:
     """Bytes per worker per step by purpose (keys of collectives.PURPOSES)."""
@@ -58,8 +62,8 @@ def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,
     out[coll.LABELS] = _gather(b * I32, k)
     if scheme in ("owt-a", "single"):
         rounds, n = 1, k * b
-        # forward: gather every worker's block; backward: all-reduce the gathered gradient
-        out[coll.ACTIVATIONS] = _gather(b * d * F32, k) + _reduce(k * b * d * F32, k)
+        # forward: gather every worker's block; backward: reduce-scatter the gradient
+        out[coll.ACTIVATIONS] = _gather(b * d * F32, k) + _scatter(k * b * d * F32, k)
     elif scheme == "owt-b":
         rounds, n = k, b
         # each round: worker r's block sent to all (a masked all-reduce), gradient back likewise
@@ -67,7 +71,7 @@ def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,
     elif scheme == "owt-c":
         rounds, n = k, b
         s = b // k
-        out[coll.ACTIVATIONS] = k * (_gather(s * d * F32, k) + _reduce(b * d * F32, k))
+        out[coll.ACTIVATIONS] = k * (_gather(s * d * F32, k) + _scatter(b * d * F32, k))
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
     widths = list(net.hidden) + [net.num_classes]
@@ -77,14 +81,15 @@ def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,
         if plan[i] == ROW:
             fc += 2 * _reduce(n * width * F32, k)  # partial sums forward, gradient backward
         elif plan[i] == COL and plan[i + 1] == COL:
-            fc += _gather(n * width // k * F32, k) + _reduce(n * width * F32, k)
+            fc += _gather(n * width // k * F32, k) + _scatter(n * width * F32, k)
     out[coll.FC_EXCHANGE] = rounds * fc
     classes = padded(net.num_classes, k)
     if loss == "sharded":
-        # max: gathered without gradient; normalizer and target logit: all-reduced both ways
-        per_round = _gather(n * F32, k) + 2 * 2 * _reduce(n * F32, k)
+        # max: gathered without gradient; normalizer and target logit: one all-reduce of
+        # [n, 2] each way
+        per_round = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k)
     else:
-        per_round = _gather(n * classes // k * F32, k) + _reduce(n * classes * F32, k)
+        per_round = _gather(n * classes // k * F32, k) + _scatter(n * classes * F32, k)
     out[coll.LOGITS] = rounds * per_round
     return out
 

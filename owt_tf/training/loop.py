@@ -49,7 +49,8 @@ class Trainer:
         self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed)
         self.spec = build_model(config.model, self.dataset.num_classes, config.dropout)
         self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
-                                     config.fc_batch, config.fc_exchange, config.loss)
+                                     config.fc_batch, config.fc_exchange, config.loss,
+                                     jit=config.jit)
         self.model = self.hybrid.build_model(self.spec, config.seed)
         self.optimizer = self.hybrid.build_optimizer(
             self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)

@@ -1,0 +1,253 @@
+"""`python -m owt_tf.bench`: schemes measured side by side, interleaved, in one process.
+
+Every configuration (scheme x K x jit) is built first and warmed up (traced, compiled);
+then timed steps go round-robin over all of them, so slow drift of the machine hits every
+configuration alike. Reported per configuration: median step time and images/s, bytes per
+worker per step from the byte ledger, and peak memory. `single` runs on one device with the
+same global batch as the K-device schemes it is compared with.
+
+`--count-only` traces each step without running it and reports the ledger's bytes: how the
+paper's AlexNet at K=8 is counted without K GPUs' worth of compute.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+from owt_tf.config import SCHEMES, ConfigError
+
+
+@dataclasses.dataclass
+class BenchRecord:
+    model: str
+    scheme: str
+    devices: int
+    batch_size: int  # per worker
+    global_batch: int
+    fc_batch: str
+    fc_exchange: str
+    loss: str
+    jit: bool
+    images_per_sec: Optional[float]
+    step_time_s: Optional[float]
+    bytes_per_step: float  # sent by one worker per step (it receives as many)
+    bytes_by_purpose: Dict[str, float]
+    peak_memory_bytes: Optional[int]
+
+
+def _parse_list(text: str, kind=str) -> List:
+    return [kind(part) for part in text.split(",") if part]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from owt_tf.train import OneLineParser
+
+    p = OneLineParser(prog="python -m owt_tf.bench", description=__doc__,
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="alexnet_tiny")
+    p.add_argument("--devices", default="4", help="comma-separated K values, e.g. 1,2,4,8")
+    p.add_argument("--schemes", default="single,data,owt-a,owt-b,owt-c")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per worker (B)")
+    p.add_argument("--image-size", type=int, default=None, help="input side (default: the model's)")
+    p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--fc-batch", default="global", choices=("global", "worker"))
+    p.add_argument("--fc-exchange", default="gather", choices=("gather", "colrow"))
+    p.add_argument("--loss", default="gathered", choices=("gathered", "sharded"))
+    p.add_argument("--jit", default="off", choices=("off", "on", "both"))
+    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
+    p.add_argument("--count-only", action="store_true", help="trace only: report bytes, no timing")
+    p.add_argument("--out", default=None, help="write the records as JSON here")
+    return p
+
+
+def _check(args) -> None:
+    from owt_tf.models.registry import MODEL_NAMES
+
+    if args.model not in MODEL_NAMES:
+        raise ConfigError("--model", f"unknown value {args.model!r}; allowed: {', '.join(MODEL_NAMES)}")
+    for s in args.schemes:
+        if s not in SCHEMES:
+            raise ConfigError("--schemes", f"unknown scheme {s!r}; allowed: {', '.join(SCHEMES)}")
+    if not args.devices or min(args.devices) < 1:
+        raise ConfigError("--devices", "K values must be integers >= 1")
+    if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--batch-size", "batch size and step counts must be positive")
+
+
+class _Config:
+    """One configuration under test: its strategy, model, optimizer, batch and step."""
+
+    def __init__(self, args, devices, scheme: str, k: int, jit: bool):
+        import numpy as np
+        import tensorflow as tf
+
+        from owt_tf.models import build_model
+        from owt_tf.parallel.strategy import HybridStrategy
+
+        self.scheme, self.k, self.jit = scheme, k, jit
+        self.global_batch = args.batch_size * k
+        run_k = 1 if scheme == "single" else k
+        self.batch = self.global_batch // run_k
+        spec = build_model(args.model, args.classes, dropout=0.5)
+        if args.image_size:
+            spec = dataclasses.replace(spec, input_shape=(args.image_size, args.image_size, 3))
+        fc_batch = args.fc_batch if scheme in ("owt-b", "owt-c") else "global"
+        self.fc_batch = fc_batch
+        self.hybrid = HybridStrategy(devices[:run_k], scheme, self.batch, fc_batch,
+                                     args.fc_exchange if scheme != "data" else "gather",
+                                     args.loss, jit=jit)
+        self.model = self.hybrid.build_model(spec, seed=0)
+        self.optim = self.hybrid.build_optimizer(self.model, 0.001, 0.001, 0.9, 5e-4)
+        rng = np.random.default_rng(0)
+        shape = (self.global_batch,) + tuple(spec.input_shape)
+        images = (np.zeros(shape, np.float32) if args.count_only
+                  else rng.normal(size=shape).astype(np.float32))
+        labels = rng.integers(0, args.classes, size=(self.global_batch,)).astype(np.int32)
+        self.inputs = [self._distribute(images), self._distribute(labels)]
+        seed = tf.constant([0, 1], tf.int32)
+
+        @tf.function
+        def step(x, y):
+            return self.hybrid.train_step(self.model, self.optim, x, y, seed)
+
+        self.step = step
+
+    def _distribute(self, array):
+        import tensorflow as tf
+
+        b = self.batch
+
+        def rows(ctx):
+            k = ctx.replica_id_in_sync_group
+            return tf.constant(array[k * b:(k + 1) * b])
+
+        return self.hybrid.strategy.experimental_distribute_values_from_function(rows)
+
+    def trace(self) -> None:
+        self.step.get_concrete_function(*self.inputs)
+
+    def run_once(self) -> float:
+        start = time.perf_counter()
+        out = self.step(*self.inputs)
+        float(out["loss_sum"])  # wait for the step to finish
+        return time.perf_counter() - start
+
+
+def _rss_peak_reset() -> None:
+    try:  # Linux: writing 5 resets the peak resident set size (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _rss_peak() -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _rss_now() -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_bench(args) -> List[BenchRecord]:
+    from owt_tf.devices import setup_devices
+
+    devices = setup_devices(max(args.devices))
+    jits = {"off": [False], "on": [True], "both": [False, True]}[args.jit]
+    configs: List[_Config] = []
+    memory: Dict[int, Optional[int]] = {}
+    for k in args.devices:
+        for scheme in args.schemes:
+            if scheme == "owt-c" and args.batch_size % k:
+                print(f"skip owt-c at K={k}: batch size {args.batch_size} not divisible by {k}",
+                      file=sys.stderr)
+                continue
+            for jit in jits:
+                before = _rss_now()
+                _rss_peak_reset()
+                cfg = _Config(args, devices, scheme, k, jit)
+                if args.count_only:
+                    cfg.trace()
+                else:
+                    for _ in range(max(args.warmup, 1)):
+                        cfg.run_once()
+                peak = _rss_peak()
+                memory[id(cfg)] = (peak - before) if peak and before else None
+                configs.append(cfg)
+                print(f"ready: {scheme} K={k} jit={'on' if jit else 'off'}", file=sys.stderr)
+    times: Dict[int, List[float]] = {id(c): [] for c in configs}
+    if not args.count_only:
+        for _ in range(args.steps):
+            for cfg in configs:  # interleaved: every configuration sees the same machine
+                times[id(cfg)].append(cfg.run_once())
+    records = []
+    for cfg in configs:
+        t = statistics.median(times[id(cfg)]) if times[id(cfg)] else None
+        ledger = cfg.hybrid.ledger
+        records.append(BenchRecord(
+            model=args.model, scheme=cfg.scheme, devices=cfg.k if cfg.scheme != "single" else 1,
+            batch_size=cfg.batch, global_batch=cfg.global_batch, fc_batch=cfg.fc_batch,
+            fc_exchange=cfg.hybrid.fc_exchange, loss=cfg.hybrid.loss, jit=cfg.jit,
+            images_per_sec=(cfg.global_batch / t) if t else None, step_time_s=t,
+            bytes_per_step=float(ledger.total), bytes_by_purpose=ledger.summary(),
+            peak_memory_bytes=memory[id(cfg)]))
+    return records
+
+
+def format_table(records: List[BenchRecord]) -> str:
+    head = (f"{'scheme':8} {'K':>2} {'B':>4} {'glob':>5} {'fc':6} {'jit':3} {'step ms':>9} "
+            f"{'img/s':>8} {'MB/step':>9} {'peak MB':>8}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        step = f"{r.step_time_s * 1e3:9.1f}" if r.step_time_s else f"{'-':>9}"
+        ips = f"{r.images_per_sec:8.0f}" if r.images_per_sec else f"{'-':>8}"
+        mem = f"{r.peak_memory_bytes / 1e6:8.0f}" if r.peak_memory_bytes else f"{'-':>8}"
+        lines.append(f"{r.scheme:8} {r.devices:>2} {r.batch_size:>4} {r.global_batch:>5} "
+                     f"{r.fc_batch:6} {'on' if r.jit else 'off':3} {step} {ips} "
+                     f"{r.bytes_per_step / 1e6:9.3f} {mem}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.devices = _parse_list(args.devices, int)
+        args.schemes = _parse_list(args.schemes)
+        _check(args)
+    except (ConfigError, ValueError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    records = run_bench(args)
+    print(format_table(records))
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
+        os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
