@@ -171,8 +171,12 @@ def _rss_now() -> Optional[int]:
 
 
 def run_bench(args) -> List[BenchRecord]:
+    import tensorflow as tf
+
     from owt_tf.devices import setup_devices
 
+    # Each configuration is its own tf.function by design; TF's retracing warning is noise here.
+    tf.get_logger().setLevel("ERROR")
     devices = setup_devices(max(args.devices))
     jits = {"off": [False], "on": [True], "both": [False, True]}[args.jit]
     configs: List[_Config] = []

@@ -109,7 +109,7 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
     # round r's gradient with round r' on another replica: wrong numbers, no error.
     exchange_tapes, inputs = [], []
     for r in rounds:
-        with tf.GradientTape() as exchange_tape:
+        with tf.GradientTape() as exchange_tape, tf.name_scope(f"exchange_round{r}"):
             exchange_tape.watch(a_local)
             inputs.append(plan.exchange(r, a_local) if plan.model_parallel else tf.identity(a_local))
         exchange_tapes.append(exchange_tape)
@@ -121,7 +121,7 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
     for r in rounds:
         round_seed = None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
         round_labels = labels if plan.num_rounds == 1 else tf.gather(labels, plan.round_rows(r))
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, tf.name_scope(f"fc_round{r}"):
             tape.watch(inputs[r])
             logits = head.forward(inputs[r], shard, training, round_seed)
             ce, right = head.loss_terms(logits, round_labels, shard)

@@ -1,0 +1,56 @@
+"""Scheme (b)/(c) overlap: no round's activation exchange waits on an earlier round's FC work.
+
+Checked on the traced step graph: the ancestors (data and control inputs) of every
+exchange collective of round r contain no op of any round's FC compute, so TensorFlow's
+executor is free to run round r's transfer while round r-1's FC layers compute.
+"""
+import pytest
+import tensorflow as tf
+
+from engine_harness import distribute_rows, random_batches
+from owt_tf.models import alexnet_tiny
+from owt_tf.parallel import HybridStrategy
+
+
+def _graph_ops(hybrid, model, optim, batch):
+    (x, y), = random_batches(1, hybrid.num_replicas * batch, 10)
+
+    @tf.function
+    def step(x, y):
+        return hybrid.train_step(model, optim, x, y, None)
+
+    concrete = step.get_concrete_function(distribute_rows(hybrid.strategy, x, batch),
+                                          distribute_rows(hybrid.strategy, y, batch))
+    return {op.name: op for op in concrete.graph.get_operations()}
+
+
+def _ancestors(op):
+    seen, stack = set(), [op]
+    while stack:
+        node = stack.pop()
+        for parent in [t.op for t in node.inputs] + list(node.control_inputs):
+            if parent.name not in seen:
+                seen.add(parent.name)
+                stack.append(parent)
+    return seen
+
+
+@pytest.mark.parametrize("scheme,fc_batch", [("owt-b", "global"), ("owt-c", "worker")])
+def test_exchanges_do_not_wait_on_fc_compute(devices, scheme, fc_batch):
+    hybrid = HybridStrategy(devices[:4], scheme, 8, fc_batch)
+    model = hybrid.build_model(alexnet_tiny(num_classes=10, dropout=0.0), seed=0)
+    optim = hybrid.build_optimizer(model, 0.01, 0.01, 0.9, 5e-4)
+    ops = _graph_ops(hybrid, model, optim, 8)
+    exchanges = [op for name, op in ops.items()
+                 if "exchange_round" in name and op.type.startswith("Collective")]
+    rounds = {name.split("exchange_round")[1].split("/")[0] for name in
+              (op.name for op in exchanges)}
+    assert rounds == {"0", "1", "2", "3"}, sorted(op.name for op in exchanges)
+    fc_ops = {name for name in ops if "fc_round" in name}
+    assert fc_ops, "no FC compute found in the graph"
+    for op in exchanges:
+        waits_on = _ancestors(op) & fc_ops
+        assert not waits_on, f"{op.name} waits on {sorted(waits_on)[:3]}"
+    # and the FC work of a later round does depend on its own exchange
+    matmul = next(op for name, op in ops.items() if "fc_round3" in name and op.type == "MatMul")
+    assert any("exchange_round3" in name for name in _ancestors(matmul))
