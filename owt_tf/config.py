@@ -77,9 +77,11 @@ class RunConfig:
         _choice("--fc-exchange", self.fc_exchange, FC_EXCHANGES)
         _choice("--loss", self.loss, LOSS_MODES)
         _choice("--conv-lr-scaling", self.conv_lr_scaling, LR_SCALINGS)
+        from owt_tf.data import DATASET_NAMES
         from owt_tf.models.registry import MODEL_NAMES
 
         _choice("--model", self.model, MODEL_NAMES)
+        _choice("--dataset", self.dataset, DATASET_NAMES)
         _positive_int("--devices", self.devices)
         _positive_int("--batch-size", self.batch_size)
         _positive_int("--steps", self.steps)

@@ -10,6 +10,7 @@ from owt_tf.config import ConfigError, RunConfig
 BAD = [
     (dict(scheme="owt-d"), "--scheme"),
     (dict(model="resnet"), "--model"),
+    (dict(dataset="imagenet1999"), "--dataset"),
     (dict(devices=0), "--devices"),
     (dict(devices=-2), "--devices"),
     (dict(scheme="owt-c", devices=4, batch_size=6), "--batch-size"),
@@ -60,6 +61,7 @@ def _cli(*args, cwd):
 CLI_BAD = [
     (["--scheme", "owt-z"], "--scheme"),
     (["--model", "vgg99"], "--model"),
+    (["--dataset", "mnist-9"], "--dataset"),
     (["--devices", "0"], "--devices"),
     (["--scheme", "owt-c", "--devices", "4", "--batch-size", "6"], "--batch-size"),
     (["--devices", "3"], "--devices"),  # alexnet_tiny's FC width 256 over 3 devices

@@ -1,1 +1,3 @@
-"""Datasets and the input pipeline."""
+"""Datasets and the input pipeline. The names are importable without TensorFlow."""
+
+DATASET_NAMES = ("digits", "synthetic")

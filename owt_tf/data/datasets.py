@@ -16,9 +16,8 @@ from typing import Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from owt_tf.data import DATASET_NAMES
 from owt_tf.data.preprocess import normalize
-
-DATASET_NAMES = ("digits", "synthetic")
 _SPLIT_SEED = 20140421  # fixed: the validation split never changes with --seed
 
 

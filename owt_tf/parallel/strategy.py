@@ -140,7 +140,7 @@ class HybridStrategy:
     def _shard_index(self) -> int:
         return coll.replica_id() if self.plan.model_parallel else 0
 
-    def _replica_train_step(self, model, optim, images, labels, seed, with_grads):  # noqa: D401
+    def _replica_train_step(self, model, optim, images, labels, seed, with_grads):
         shard = self._shard_index()
         trunk_vars = model.trunk.trainable_variables
         with tf.GradientTape() as trunk_tape:
