@@ -38,6 +38,8 @@ class BenchRecord:
     step_time_s: Optional[float]
     bytes_per_step: float  # sent by one worker per step (it receives as many)
     bytes_by_purpose: Dict[str, float]
+    # GPUs: the allocators' peak over the configuration's devices while it was built and
+    # warmed up. CPUs (no allocator statistics): growth of the process's peak RSS then.
     peak_memory_bytes: Optional[int]
 
 
@@ -148,22 +150,12 @@ def _rss_peak_reset() -> None:
         pass
 
 
-def _rss_peak() -> Optional[int]:
+def _proc_status_bytes(field: str) -> Optional[int]:
+    """A memory figure from /proc/self/status (VmHWM: peak RSS, VmRSS: RSS), in bytes."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _rss_now() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -188,16 +180,23 @@ def run_bench(args) -> List[BenchRecord]:
                       file=sys.stderr)
                 continue
             for jit in jits:
-                before = _rss_now()
+                on_gpu = "GPU" in devices[0]
+                before = _proc_status_bytes("VmRSS")
                 _rss_peak_reset()
+                for d in devices if on_gpu else []:
+                    tf.config.experimental.reset_memory_stats(d)
                 cfg = _Config(args, devices, scheme, k, jit)
                 if args.count_only:
                     cfg.trace()
                 else:
                     for _ in range(max(args.warmup, 1)):
                         cfg.run_once()
-                peak = _rss_peak()
-                memory[id(cfg)] = (peak - before) if peak and before else None
+                if on_gpu:
+                    memory[id(cfg)] = sum(tf.config.experimental.get_memory_info(d)["peak"]
+                                          for d in cfg.hybrid.devices)
+                else:
+                    peak = _proc_status_bytes("VmHWM")
+                    memory[id(cfg)] = (peak - before) if peak and before else None
                 configs.append(cfg)
                 print(f"ready: {scheme} K={k} jit={'on' if jit else 'off'}", file=sys.stderr)
     times: Dict[int, List[float]] = {id(c): [] for c in configs}
