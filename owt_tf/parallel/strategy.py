@@ -5,12 +5,12 @@ its gradients all-reduced) and adds what tf.distribute has no notion of: FC laye
 shards live one per device (owt_tf.parallel.shards), activations moved between replicas
 by a scheme (owt_tf.parallel.schemes), and the byte ledger of everything exchanged.
 
-Usage, inside a tf.function:
+Usage (train_step inside a tf.function):
 
-    hybrid = HybridStrategy(devices, "owt-b", fc_batch="worker")
+    hybrid = HybridStrategy(devices, "owt-b", batch_size=128, fc_batch="worker")
     model = hybrid.build_model(spec, seed)
     optim = hybrid.build_optimizer(model, conv_lr, fc_lr, momentum, weight_decay)
-    metrics = hybrid.train_step(model, optim, dist_images, dist_labels, seed)
+    metrics = hybrid.train_step(model, optim, dist_images, dist_labels, dropout_seed)
 """
 from __future__ import annotations
 
