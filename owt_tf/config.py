@@ -47,6 +47,8 @@ class RunConfig:
     seed: int = 0
     eval_every: int = 150
     jit: bool = False
+    logdir: Optional[str] = None  # default: runs/<timestamp>
+    checkpoint_every: int = 200
     allow_cpu_devices: bool = True
 
     def replace(self, **changes) -> "RunConfig":
@@ -107,6 +109,8 @@ class RunConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("--dropout", f"must be in [0, 1), got {self.dropout}")
         self._check_model_fits()
+        if self.checkpoint_every < 0:
+            raise ConfigError("--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
         if self.eval_every < 0:
             raise ConfigError("--eval-every", f"must be >= 0, got {self.eval_every}")
         return self

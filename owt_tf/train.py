@@ -33,6 +33,8 @@ HELP = {
     "seed": "seed for weights, data order and dropout",
     "eval_every": "validate every N steps (0: only at the end)",
     "jit": "XLA-compile the conv trunk's forward and backward on each device",
+    "logdir": "run directory for checkpoints (default runs/<timestamp>); an existing one resumes",
+    "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
     "allow_cpu_devices": "use logical CPU devices when there are fewer GPUs than --devices",
 }
 CHOICES = {"scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
@@ -68,16 +70,25 @@ def parse_config(argv: Optional[List[str]] = None) -> RunConfig:
     return RunConfig(**vars(args))
 
 
+def _fail(message) -> int:
+    print(f"python -m owt_tf.train: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     config = parse_config(argv)
     try:
         config.validate()
-        from owt_tf.training.loop import Trainer  # imports TensorFlow: after validation
-
-        trainer = Trainer(config)
     except ConfigError as err:
-        print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(err)
+    # TensorFlow loads only now, after the flags were found good.
+    from owt_tf.training.checkpoint import CheckpointMismatch
+    from owt_tf.training.loop import Trainer
+
+    try:
+        trainer = Trainer(config)
+    except (ConfigError, CheckpointMismatch) as err:
+        return _fail(err)
     trainer.fit()
     return 0
 

@@ -15,21 +15,21 @@ GLOBAL_BATCH = 16
 LAYOUTS = [("data", 2), ("owt-a", 4), ("owt-b", 2), ("owt-c", 4), ("owt-b", 4)]
 
 
-def _weights_after(devices, scheme, k, steps=4):
+def _weights_after(devices, scheme, k, logdir, steps=4):
     config = RunConfig(scheme=scheme, devices=k, batch_size=GLOBAL_BATCH // k, fc_batch="global",
                        conv_lr_scaling="none", dropout=0.0, lr=0.02, seed=5, steps=steps,
-                       eval_every=0)
+                       eval_every=0, logdir=str(logdir))
     trainer = Trainer(config, devices=devices[:k])
     losses = [trainer.train_step().loss for _ in range(steps)]
     return trainer.model.full_weights(), losses
 
 
-def test_every_scheme_reaches_the_single_device_weights(devices):
+def test_every_scheme_reaches_the_single_device_weights(devices, tmp_path):
     """fc_batch=global, same seed, same global batch: the same weights after N steps at any K
     (through the real data pipeline, which must give replica k rows k*B ... of each batch)."""
-    want, want_losses = _weights_after(devices, "single", 1)
+    want, want_losses = _weights_after(devices, "single", 1, tmp_path / "single")
     for scheme, k in LAYOUTS:
-        got, losses = _weights_after(devices, scheme, k)
+        got, losses = _weights_after(devices, scheme, k, tmp_path / f"{scheme}-{k}")
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5, err_msg=f"{scheme} K={k}")
         for a, b in zip(got["trunk"], want["trunk"]):
             assert rel_err(a, b) < 1e-5, (scheme, k)
@@ -37,8 +37,8 @@ def test_every_scheme_reaches_the_single_device_weights(devices):
             assert rel_err(ak, bk) < 1e-5 and rel_err(ab, bb) < 1e-5, (scheme, k)
 
 
-def test_demo_configuration_learns_digits(devices):
-    trainer = Trainer(RunConfig(steps=300, eval_every=0), devices=devices[:2])
+def test_demo_configuration_learns_digits(devices, tmp_path):
+    trainer = Trainer(RunConfig(steps=300, eval_every=0, logdir=str(tmp_path)), devices=devices[:2])
     summary = trainer.fit(log=lambda line: None, progress=False)
     assert summary["val_top1_error"] < 0.10
     assert summary["bytes_per_step"] > 0

@@ -50,6 +50,11 @@ class HybridOptimizer:
     fc_mirrored: Optional[MirroredSGD]  # pure data parallelism
     fc_shards: Optional[ShardSGD]  # model parallelism
 
+    def set_learning_rates(self, conv_lr: float, fc_lr: float) -> None:
+        self.trunk.learning_rate.assign(conv_lr)
+        fc = self.fc_shards if self.fc_shards is not None else self.fc_mirrored
+        fc.learning_rate.assign(fc_lr)
+
 
 class HybridStrategy:
     """The custom distribution strategy of owt_tf (wraps a MirroredStrategy)."""

@@ -7,6 +7,7 @@ progress and the final summary.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -20,6 +21,7 @@ from owt_tf.data.datasets import load_dataset
 from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.strategy import HybridStrategy
+from owt_tf.training.checkpoint import RunCheckpoints
 
 
 @dataclasses.dataclass
@@ -55,9 +57,19 @@ class Trainer:
         self.optimizer = self.hybrid.build_optimizer(
             self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        self.logdir = config.logdir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        identity = {"model": config.model, "dataset": config.dataset,
+                    "num_classes": self.dataset.num_classes}
+        self.checkpoints = RunCheckpoints(self.logdir, self.model, self.optimizer, self.step,
+                                          identity)
+        self.checkpoints.check_identity(self.logdir)
+        self.resumed_from = self.checkpoints.restore_latest()
+        # A checkpoint from another K or scheme carries its own rates; this run's config rules.
+        self.optimizer.set_learning_rates(config.conv_lr, config.fc_lr)
         strategy = self.hybrid.strategy
-        self._train_batches = iter(strategy.experimental_distribute_dataset(
-            self.dataset.train(config.global_batch_size, config.seed)))
+        # The input order is fixed by the seed: skipping the steps done restores the position.
+        train = self.dataset.train(config.global_batch_size, config.seed).skip(int(self.step))
+        self._train_batches = iter(strategy.experimental_distribute_dataset(train))
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
 
@@ -102,21 +114,32 @@ class Trainer:
             progress: bool = True) -> Dict[str, float]:
         """Trains for `steps` (default: config.steps), validating every config.eval_every."""
         steps = steps or self.config.steps
+        first = int(self.step) + 1
+        self.checkpoints.write_identity(self.logdir, dataclasses.asdict(self.config))
+        if self.resumed_from:
+            log(f"resumed from {self.resumed_from} at step {first - 1}")
         # A live bar on a terminal; in a log file only the periodic lines below.
         verbose = (1 if sys.stdout.isatty() else 0) if progress else 0
         bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "error", "img/s"],
                                   verbose=verbose)
         history: List[StepMetrics] = []
         started = time.perf_counter()
-        for i in range(1, steps + 1):
+        every = self.config.checkpoint_every
+        for i in range(first, steps + 1):
             m = self.train_step()
             history.append(m)
+            if every and i % every == 0 and i < steps:
+                self.checkpoints.save(i)
             bar.update(i, [("loss", m.loss), ("error", m.top1_error), ("img/s", m.images_per_sec)])
             if self.config.eval_every and i % self.config.eval_every == 0 and i < steps:
                 ev = self.evaluate()
                 log(f"step {i}/{steps}: train loss {m.loss:.4f} | val loss {ev.loss:.4f} "
                     f"val top-1 error {ev.top1_error:.2%} | {m.images_per_sec:.0f} img/s")
         wall = time.perf_counter() - started
+        if not history:
+            log(f"nothing to do: the run in {self.logdir} is already at step {first - 1}")
+            return {"steps": first - 1}
+        saved = self.checkpoints.save(steps)
         ev = self.evaluate()
         steady = [m.images_per_sec for m in history[1:]] or [history[0].images_per_sec]
         summary = {"steps": steps, "train_loss": history[-1].loss, "val_loss": ev.loss,
@@ -127,5 +150,5 @@ class Trainer:
             f"{len(self.devices)} devices | val top-1 error {ev.top1_error:.2%} "
             f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
             f"{summary['images_per_sec']:.0f} img/s | "
-            f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/worker")
+            f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/worker | checkpoint {saved}")
         return summary

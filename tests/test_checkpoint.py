@@ -1,0 +1,65 @@
+"""Checkpoints: resume gives the weights of never stopping, also at another K; wrong logdirs refused."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from owt_tf.config import RunConfig
+from owt_tf.training.loop import Trainer
+from reference import rel_err
+
+
+def _fit(devices, config, steps):
+    trainer = Trainer(config, devices=devices[:config.devices])
+    trainer.fit(steps=steps, log=lambda line: None, progress=False)
+    return trainer
+
+
+def _assert_same_weights(a, b, tol=1e-5):
+    for x, y in zip(a["trunk"], b["trunk"]):
+        assert rel_err(x, y) < tol
+    for (xk, xb), (yk, yb) in zip(a["head"], b["head"]):
+        assert rel_err(xk, yk) < tol and rel_err(xb, yb) < tol
+
+
+def test_resume_equals_training_in_one_go(devices, tmp_path):
+    """Dropout on: its masks are seeded by the step, so they are restored with it."""
+    base = RunConfig(scheme="owt-b", devices=2, batch_size=8, fc_batch="worker", steps=12,
+                     eval_every=0, checkpoint_every=0, seed=3)
+    whole = _fit(devices, base.replace(logdir=str(tmp_path / "whole")), 12)
+    split_dir = str(tmp_path / "split")
+    first = _fit(devices, base.replace(logdir=split_dir), 6)
+    assert first.checkpoints.manager.latest_checkpoint.endswith("ckpt-6")
+    resumed = _fit(devices, base.replace(logdir=split_dir), 12)
+    assert resumed.resumed_from.endswith("ckpt-6")
+    assert int(resumed.step) == 12
+    _assert_same_weights(resumed.model.full_weights(), whole.model.full_weights())
+
+
+def test_saved_at_four_devices_resumes_at_two(devices, tmp_path):
+    """FC shards and momenta are saved whole and re-split; fc_batch=global, same global batch."""
+    common = dict(fc_batch="global", conv_lr_scaling="none", dropout=0.0, eval_every=0,
+                  checkpoint_every=0, seed=4, steps=8)
+    k4 = RunConfig(scheme="owt-a", devices=4, batch_size=4, **common)
+    never_stopped = _fit(devices, k4.replace(logdir=str(tmp_path / "k4")), 8)
+    moved = str(tmp_path / "moved")
+    _fit(devices, k4.replace(logdir=moved), 4)
+    at_two = _fit(devices, RunConfig(scheme="owt-c", devices=2, batch_size=8, logdir=moved,
+                                     **common), 8)
+    assert at_two.resumed_from.endswith("ckpt-4")
+    _assert_same_weights(at_two.model.full_weights(), never_stopped.model.full_weights())
+
+
+def test_logdir_of_another_model_is_refused_and_kept(devices, tmp_path):
+    logdir = tmp_path / "run"
+    _fit(devices, RunConfig(steps=2, eval_every=0, logdir=str(logdir), devices=2, batch_size=8), 2)
+    before = sorted(os.listdir(logdir / "checkpoints"))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.train", "--model", "alexnet",
+                           "--logdir", str(logdir), "--steps", "2"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "owt_tf.train: error" in line]
+    assert len(errors) == 1 and "--logdir" in errors[0] and "alexnet_tiny" in errors[0]
+    assert sorted(os.listdir(logdir / "checkpoints")) == before
