@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Optional
 
 SCHEMES = ("single", "data", "owt-a", "owt-b", "owt-c")
@@ -49,6 +50,7 @@ class RunConfig:
     jit: bool = False
     logdir: Optional[str] = None  # default: runs/<timestamp>
     checkpoint_every: int = 200
+    export_dir: Optional[str] = None
     allow_cpu_devices: bool = True
 
     def replace(self, **changes) -> "RunConfig":
@@ -109,6 +111,9 @@ class RunConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("--dropout", f"must be in [0, 1), got {self.dropout}")
         self._check_model_fits()
+        if self.export_dir and os.path.exists(self.export_dir) and (
+                not os.path.isdir(self.export_dir) or os.listdir(self.export_dir)):
+            raise ConfigError("--export-dir", f"{self.export_dir} exists and is not empty")
         if self.checkpoint_every < 0:
             raise ConfigError("--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
         if self.eval_every < 0:

@@ -35,6 +35,7 @@ HELP = {
     "jit": "XLA-compile the conv trunk's forward and backward on each device",
     "logdir": "run directory for checkpoints (default runs/<timestamp>); an existing one resumes",
     "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
+    "export_dir": "write the trained model there as a SavedModel at the end (must be empty)",
     "allow_cpu_devices": "use logical CPU devices when there are fewer GPUs than --devices",
 }
 CHOICES = {"scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,

@@ -123,6 +123,12 @@ class HybridStrategy:
                                 args=(images, labels))
         return self._merge_replica_outputs(out)
 
+    def predict_step(self, model: DistributedModel, images) -> tf.Tensor:
+        """Logits [global batch, classes] of a distributed batch, rows in global order."""
+        out = self.strategy.run(functools.partial(self._replica_logits, model), args=(images,))
+        local = self.strategy.experimental_local_results(out)
+        return local[0] if self.plan.model_parallel else tf.concat(list(local), axis=0)
+
     def _trunk(self, model: DistributedModel, training: bool):
         """The trunk's forward pass; with jit, an XLA-compiled function per replica.
 
@@ -169,19 +175,23 @@ class HybridStrategy:
             out["fc_grads"] = rounds.fc_grads
         return out
 
-    def _replica_eval_step(self, model, images, labels):
+    def _replica_logits(self, model, images):
+        """Logits of the rows this replica reports: all rows (model parallel) or its own."""
         shard = self._shard_index()
         activations = self._trunk(model, False)(images)
-        if self.plan.model_parallel:
-            rows = coll.all_gather(activations, 0, coll.ACTIVATIONS)
-            labels = coll.gather_labels(labels)
-        else:
-            rows = activations
+        model_parallel = self.plan.model_parallel
+        rows = coll.all_gather(activations, 0, coll.ACTIVATIONS) if model_parallel else activations
         head = model.head
         logits = head.forward(rows, shard, False, None)
         if head.num_shards > 1:
             logits = coll.all_gather(logits, 1, coll.LOGITS)
-        logits = logits[:, : head.spec.num_classes]
+        return logits[:, : head.spec.num_classes]
+
+    def _replica_eval_step(self, model, images, labels):
+        logits = self._replica_logits(model, images)
+        if self.plan.model_parallel:
+            labels = coll.gather_labels(labels)
+        head = model.head
         valid = labels >= 0
         safe = tf.maximum(labels, 0)
         ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=logits)

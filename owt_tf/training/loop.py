@@ -72,6 +72,7 @@ class Trainer:
         self._train_batches = iter(strategy.experimental_distribute_dataset(train))
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
+        self._predict_fn = tf.function(lambda images: self.hybrid.predict_step(self.model, images))
 
     # -- compiled bodies ------------------------------------------------------------------
     def _train_step(self, images, labels):
@@ -110,6 +111,24 @@ class Trainer:
         return EvalMetrics(totals["loss_sum"] / n, 1 - totals["correct"] / n,
                            1 - totals["correct_top5"] / n, n)
 
+    def predict_logits(self, images: np.ndarray) -> np.ndarray:
+        """Logits of uint8 images [N, H, W, C] through the distributed model (eval mode)."""
+        from owt_tf.data.preprocess import eval_preprocess
+
+        batch = self.config.global_batch_size
+        n = len(images)
+        padded = np.concatenate([images, np.zeros((-n % batch,) + images.shape[1:], images.dtype)])
+        size = self.spec.input_shape[:2]
+        out = []
+        for start in range(0, len(padded), batch):
+            x = eval_preprocess(tf.constant(padded[start:start + batch]), size,
+                                self.dataset.mean, self.dataset.std)
+            dist = self.hybrid.strategy.experimental_distribute_values_from_function(
+                lambda ctx, x=x: x[ctx.replica_id_in_sync_group * self.config.batch_size:
+                                   (ctx.replica_id_in_sync_group + 1) * self.config.batch_size])
+            out.append(self._predict_fn(dist).numpy())
+        return np.concatenate(out)[:n]
+
     def fit(self, steps: Optional[int] = None, log: Callable[[str], None] = print,
             progress: bool = True) -> Dict[str, float]:
         """Trains for `steps` (default: config.steps), validating every config.eval_every."""
@@ -140,6 +159,12 @@ class Trainer:
             log(f"nothing to do: the run in {self.logdir} is already at step {first - 1}")
             return {"steps": first - 1}
         saved = self.checkpoints.save(steps)
+        if self.config.export_dir:
+            from owt_tf.export import export_saved_model
+
+            path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
+                                      self.config.export_dir)
+            log(f"exported SavedModel to {path}")
         ev = self.evaluate()
         steady = [m.images_per_sec for m in history[1:]] or [history[0].images_per_sec]
         summary = {"steps": steps, "train_loss": history[-1].loss, "val_loss": ev.loss,

@@ -1,0 +1,142 @@
+"""`python -m owt_tf.export --logdir RUN --out DIR`: a run's latest checkpoint as a SavedModel.
+
+The SavedModel is a single-device graph (FC shards assembled into whole layers) whose
+`serving_default` takes `images`, uint8 [N, H, W, C], does the eval preprocessing inside,
+and returns `probabilities` [N, classes] and `top5` [N, 5] int64. It loads with plain
+`tf.saved_model.load`, without owt_tf. It is written to a temporary directory beside
+`--out` and renamed into place, so a crash never leaves half a model; a non-empty `--out`
+is refused unless `--overwrite`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import List, Optional, Sequence, Tuple
+
+EXPORT_SIGNATURE = "serving_default"
+
+
+class ExportError(ValueError):
+    """The export cannot be written as asked."""
+
+
+def check_out_dir(out: str, overwrite: bool) -> None:
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
+        raise ExportError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+
+
+def build_serving_module(model, mean: Sequence[float], std: Sequence[float]):
+    """A tf.Module with the trunk cloned onto one device and the FC layers assembled whole."""
+    import keras
+    import tensorflow as tf
+
+    from owt_tf.data.preprocess import eval_preprocess
+
+    spec = model.spec
+    trunk = keras.models.clone_model(model.trunk)
+    trunk.set_weights(model.trunk.get_weights())
+    layers = [(tf.Variable(k, name=f"fc{i}_kernel"), tf.Variable(b, name=f"fc{i}_bias"))
+              for i, (k, b) in enumerate(model.head.full_weights())]
+    height, width, channels = spec.input_shape
+    classes = spec.head.num_classes
+
+    class Serving(tf.Module):
+        def __init__(self):
+            super().__init__(name="owt_tf_model")
+            self.trunk = trunk
+            self.fc = layers
+
+        @tf.function(input_signature=[tf.TensorSpec([None, None, None, channels], tf.uint8,
+                                                    name="images")])
+        def serve(self, images):
+            x = eval_preprocess(images, (height, width), mean, std)
+            h = self.trunk(x, training=False)
+            for i, (kernel, bias) in enumerate(self.fc):
+                h = tf.matmul(h, kernel) + bias
+                if i < len(self.fc) - 1:
+                    h = tf.nn.relu(h)
+            probabilities = tf.nn.softmax(h)
+            top5 = tf.math.top_k(probabilities, k=min(5, classes)).indices
+            return {"probabilities": probabilities, "top5": tf.cast(top5, tf.int64)}
+
+    return Serving()
+
+
+def export_saved_model(model, mean: Sequence[float], std: Sequence[float], out: str,
+                       overwrite: bool = False) -> str:
+    """Writes the SavedModel of `model` (a DistributedModel) to `out`, atomically."""
+    import tensorflow as tf
+
+    check_out_dir(out, overwrite)
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    module = build_serving_module(model, mean, std)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        tf.saved_model.save(module, staging, signatures={EXPORT_SIGNATURE: module.serve})
+        with open(os.path.join(staging, "owt_tf_export.json"), "w") as f:
+            json.dump({"model": model.spec.name, "num_classes": model.spec.head.num_classes,
+                       "input_shape": list(model.spec.input_shape), "mean": list(mean),
+                       "std": list(std)}, f, indent=1)
+        if os.path.exists(out):
+            retired = out + ".old-" + os.path.basename(staging)
+            os.replace(out, retired)
+            os.replace(staging, out)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def load_run(logdir: str):
+    """A Trainer on one device restored from the latest checkpoint in `logdir`."""
+    from owt_tf.config import RunConfig
+    from owt_tf.training.checkpoint import CONFIG_FILE
+
+    path = os.path.join(logdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise ExportError(f"--logdir {logdir} has no {CONFIG_FILE}: not an owt_tf run")
+    with open(path) as f:
+        saved = json.load(f)
+    fields = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
+    config = RunConfig(**fields).replace(scheme="single", devices=1, fc_batch="global",
+                                         fc_exchange="gather", loss="gathered", logdir=logdir,
+                                         batch_size=min(64, fields.get("batch_size", 64)))
+    from owt_tf.training.loop import Trainer
+
+    trainer = Trainer(config)
+    if trainer.resumed_from is None:
+        raise ExportError(f"--logdir {logdir} has no checkpoint")
+    return trainer
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from owt_tf.train import OneLineParser
+
+    parser = OneLineParser(prog="python -m owt_tf.export", description=__doc__)
+    parser.add_argument("--logdir", required=True, help="the run directory to export")
+    parser.add_argument("--out", required=True, help="directory for the SavedModel")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    args = parser.parse_args(argv)
+    try:
+        check_out_dir(args.out, args.overwrite)
+        trainer = load_run(args.logdir)
+        path = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
+                                  args.out, args.overwrite)
+    except ExportError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {trainer.resumed_from} to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

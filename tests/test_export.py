@@ -1,0 +1,90 @@
+"""SavedModel export: a fresh process without owt_tf gets the training model's probabilities."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from owt_tf.config import RunConfig
+from owt_tf.export import ExportError, export_saved_model
+from owt_tf.training.loop import Trainer
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+
+
+@pytest.fixture(scope="module")
+def trained(devices, tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("run")
+    config = RunConfig(steps=20, eval_every=0, devices=4, batch_size=8, scheme="owt-c",
+                       logdir=str(logdir))
+    trainer = Trainer(config, devices=devices[:4])
+    trainer.fit(log=lambda line: None, progress=False)
+    return trainer
+
+
+def test_fresh_process_gets_the_training_models_probabilities(trained, tmp_path):
+    out = tmp_path / "model"
+    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out))
+    images = trained.dataset.val_images[:37]
+    np.save(tmp_path / "images.npy", images)
+    logits = trained.predict_logits(images)
+    want = np.exp(logits - logits.max(1, keepdims=True))
+    want /= want.sum(1, keepdims=True)
+    code = textwrap.dedent(f"""
+        import sys, numpy as np, tensorflow as tf
+        model = tf.saved_model.load({str(out)!r})
+        out = model.signatures["serving_default"](images=tf.constant(np.load({str(tmp_path / 'images.npy')!r})))
+        np.save({str(tmp_path / 'probs.npy')!r}, out["probabilities"].numpy())
+        np.save({str(tmp_path / 'top5.npy')!r}, out["top5"].numpy())
+        assert "owt_tf" not in sys.modules
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    probs = np.load(tmp_path / "probs.npy")
+    top5 = np.load(tmp_path / "top5.npy")
+    np.testing.assert_allclose(probs, want, atol=1e-5)
+    assert top5.dtype == np.int64 and top5.shape == (37, 5)
+    np.testing.assert_array_equal(top5[:, 0], want.argmax(1))
+    meta = json.loads((out / "owt_tf_export.json").read_text())
+    assert meta["num_classes"] == 10
+
+
+def test_saved_model_cli_lists_the_signature(trained, tmp_path):
+    out = tmp_path / "model"
+    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out))
+    cli = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
+    proc = subprocess.run([cli, "show", "--dir", str(out), "--all"], capture_output=True,
+                          text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "signature_def['serving_default']" in proc.stdout
+    for name in ("images", "probabilities", "top5"):
+        assert name in proc.stdout
+    assert "DT_UINT8" in proc.stdout and "DT_INT64" in proc.stdout
+
+
+def test_non_empty_out_is_refused_and_overwrite_replaces(trained, tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not empty"):
+        export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out))
+    assert (out / "keep.txt").read_text() == "mine"
+    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out),
+                       overwrite=True)
+    assert (out / "saved_model.pb").exists() and not (out / "keep.txt").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".export-")]
+
+
+def test_export_cli_from_a_logdir(trained, tmp_path):
+    out = tmp_path / "cli_model"
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.export", "--logdir", trained.logdir,
+                           "--out", str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "saved_model.pb").exists()
+    again = subprocess.run([sys.executable, "-m", "owt_tf.export", "--logdir", trained.logdir,
+                            "--out", str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert again.returncode == 2 and "--overwrite" in again.stderr
