@@ -51,6 +51,9 @@ class RunConfig:
     logdir: Optional[str] = None  # default: runs/<timestamp>
     checkpoint_every: int = 200
     export_dir: Optional[str] = None
+    log_every: int = 10
+    histogram_every: int = 200
+    profile_steps: Optional[str] = None  # "A:B": profiler trace of steps A..B
     allow_cpu_devices: bool = True
 
     def replace(self, **changes) -> "RunConfig":
@@ -114,12 +117,31 @@ class RunConfig:
         if self.export_dir and os.path.exists(self.export_dir) and (
                 not os.path.isdir(self.export_dir) or os.listdir(self.export_dir)):
             raise ConfigError("--export-dir", f"{self.export_dir} exists and is not empty")
+        for flag, value in (("--log-every", self.log_every),
+                            ("--histogram-every", self.histogram_every)):
+            if value < 0:
+                raise ConfigError(flag, f"must be >= 0, got {value}")
+        if self.profile_steps is not None:
+            self.profile_range()
         if self.checkpoint_every < 0:
             raise ConfigError("--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
         if self.eval_every < 0:
             raise ConfigError("--eval-every", f"must be >= 0, got {self.eval_every}")
         return self
 
+
+    def profile_range(self) -> Optional[tuple]:
+        """--profile-steps 'A:B' as (A, B), 1 <= A <= B."""
+        if self.profile_steps is None:
+            return None
+        try:
+            a, b = (int(part) for part in self.profile_steps.split(":"))
+        except ValueError:
+            raise ConfigError("--profile-steps", f"expected A:B (step numbers), got "
+                              f"{self.profile_steps!r}") from None
+        if not 1 <= a <= b:
+            raise ConfigError("--profile-steps", f"need 1 <= A <= B, got {self.profile_steps!r}")
+        return a, b
 
     def _check_model_fits(self) -> None:
         """FC widths must split evenly over the devices (class counts are padded instead)."""

@@ -36,6 +36,9 @@ HELP = {
     "logdir": "run directory for checkpoints (default runs/<timestamp>); an existing one resumes",
     "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
     "export_dir": "write the trained model there as a SavedModel at the end (must be empty)",
+    "log_every": "write training scalars to TensorBoard every N steps",
+    "histogram_every": "write weight and gradient histograms every N steps (0: never)",
+    "profile_steps": "A:B: record a TensorBoard profiler trace of steps A to B",
     "allow_cpu_devices": "use logical CPU devices when there are fewer GPUs than --devices",
 }
 CHOICES = {"scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,

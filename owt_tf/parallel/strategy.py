@@ -26,7 +26,7 @@ from owt_tf.devices import make_strategy
 from owt_tf.models.spec import ModelSpec, initial_head_weights, initial_trunk_weights
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.schemes import SchemePlan, run_fc_rounds
-from owt_tf.parallel.shards import ShardedHead
+from owt_tf.parallel.shards import ShardedHead, assemble
 from owt_tf.training.optim import MirroredSGD, ShardSGD
 
 
@@ -43,6 +43,12 @@ class DistributedModel:
         return {"trunk": [np.asarray(w) for w in self.trunk.get_weights()],
                 "head": self.head.full_weights()}
 
+    def named_weights(self) -> Dict[str, np.ndarray]:
+        named = {f"trunk/{v.path}": np.asarray(v.numpy()) for v in self.trunk.weights}
+        for i, (kernel, bias) in enumerate(self.head.full_weights()):
+            named[f"fc{i}/kernel"], named[f"fc{i}/bias"] = kernel, bias
+        return named
+
 
 @dataclasses.dataclass
 class HybridOptimizer:
@@ -50,10 +56,14 @@ class HybridOptimizer:
     fc_mirrored: Optional[MirroredSGD]  # pure data parallelism
     fc_shards: Optional[ShardSGD]  # model parallelism
 
+    @property
+    def fc_learning_rate(self) -> tf.Variable:
+        fc = self.fc_shards if self.fc_shards is not None else self.fc_mirrored
+        return fc.learning_rate
+
     def set_learning_rates(self, conv_lr: float, fc_lr: float) -> None:
         self.trunk.learning_rate.assign(conv_lr)
-        fc = self.fc_shards if self.fc_shards is not None else self.fc_mirrored
-        fc.learning_rate.assign(fc_lr)
+        self.fc_learning_rate.assign(fc_lr)
 
 
 class HybridStrategy:
@@ -122,6 +132,25 @@ class HybridStrategy:
         out = self.strategy.run(functools.partial(self._replica_eval_step, model),
                                 args=(images, labels))
         return self._merge_replica_outputs(out)
+
+    def assemble_grads(self, model: DistributedModel, out) -> Dict[str, np.ndarray]:
+        """Whole-model gradients from a train_step(with_grads=True) result, by variable name.
+
+        Trunk: the replicas' parts summed. FC: the last FC update's shards joined (mirrored
+        FC layers under 'data': summed)."""
+        grads = {}
+        for i, var in enumerate(model.trunk.trainable_variables):
+            grads[f"trunk/{var.path}"] = sum(np.asarray(g[i]) for g in out["trunk_grads"])
+        per_replica = out["fc_grads"]
+        for li, layer in enumerate(model.head.layers):
+            kern = [np.asarray(per_replica[r][-1][2 * li]) for r in range(len(per_replica))]
+            bias = [np.asarray(per_replica[r][-1][2 * li + 1]) for r in range(len(per_replica))]
+            if self.plan.model_parallel:
+                kernel, bias_full = assemble(layer, kern, bias)
+            else:
+                kernel, bias_full = sum(kern), sum(bias)
+            grads[f"fc{li}/kernel"], grads[f"fc{li}/bias"] = kernel, bias_full
+        return grads
 
     def predict_step(self, model: DistributedModel, images) -> tf.Tensor:
         """Logits [global batch, classes] of a distributed batch, rows in global order."""

@@ -22,6 +22,7 @@ from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import RunCheckpoints
+from owt_tf.training.summaries import RunSummaries
 
 
 @dataclasses.dataclass
@@ -30,6 +31,7 @@ class StepMetrics:
     top1_error: float
     images_per_sec: float
     bytes_per_step: float
+    grads: Optional[Dict[str, np.ndarray]] = None
 
 
 @dataclasses.dataclass
@@ -75,10 +77,10 @@ class Trainer:
         self._predict_fn = tf.function(lambda images: self.hybrid.predict_step(self.model, images))
 
     # -- compiled bodies ------------------------------------------------------------------
-    def _train_step(self, images, labels):
+    def _train_step(self, images, labels, with_grads=False):
         seed = tf.stack([tf.constant(self.config.seed, tf.int64), self.step])
         out = self.hybrid.train_step(self.model, self.optimizer, images, labels,
-                                     tf.cast(seed, tf.int32))
+                                     tf.cast(seed, tf.int32), with_grads=with_grads)
         self.step.assign_add(1)
         return out
 
@@ -86,17 +88,18 @@ class Trainer:
         return self.hybrid.eval_step(self.model, images, labels)
 
     # -- public ---------------------------------------------------------------------------
-    def train_step(self) -> StepMetrics:
-        """Runs one step on the next global batch."""
+    def train_step(self, with_grads: bool = False) -> StepMetrics:
+        """Runs one step on the next global batch (with whole-model gradients if asked)."""
         start = time.perf_counter()
         images, labels = next(self._train_batches)
-        out = self._train_fn(images, labels)
+        out = self._train_fn(images, labels, with_grads)
         count = int(out["count"])
         loss = float(out["loss_sum"]) / count
         seconds = time.perf_counter() - start
+        grads = self.hybrid.assemble_grads(self.model, out) if with_grads else None
         return StepMetrics(loss, 1.0 - int(out["correct"]) / count,
                            self.config.global_batch_size / seconds,
-                           float(self.hybrid.ledger.total))
+                           float(self.hybrid.ledger.total), grads)
 
     def evaluate(self) -> EvalMetrics:
         """Loss and top-1/top-5 error over the whole validation split."""
@@ -131,49 +134,77 @@ class Trainer:
 
     def fit(self, steps: Optional[int] = None, log: Callable[[str], None] = print,
             progress: bool = True) -> Dict[str, float]:
-        """Trains for `steps` (default: config.steps), validating every config.eval_every."""
-        steps = steps or self.config.steps
+        """Trains up to step `steps` (default: config.steps) from wherever the run is.
+
+        Validates every config.eval_every steps, writes TensorBoard summaries to the logdir
+        and checkpoints every config.checkpoint_every steps and at the end.
+        """
+        config = self.config
+        steps = steps or config.steps
         first = int(self.step) + 1
-        self.checkpoints.write_identity(self.logdir, dataclasses.asdict(self.config))
+        self.checkpoints.write_identity(self.logdir, dataclasses.asdict(config))
         if self.resumed_from:
             log(f"resumed from {self.resumed_from} at step {first - 1}")
+        if first > steps:
+            log(f"nothing to do: the run in {self.logdir} is already at step {first - 1}")
+            return {"steps": first - 1}
+        summaries = RunSummaries(self.logdir, config.profile_range())
+        summaries.config(dataclasses.asdict(config))
+        summaries.sample_images(self.dataset.train_images, first)
         # A live bar on a terminal; in a log file only the periodic lines below.
         verbose = (1 if sys.stdout.isatty() else 0) if progress else 0
         bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "error", "img/s"],
                                   verbose=verbose)
         history: List[StepMetrics] = []
         started = time.perf_counter()
-        every = self.config.checkpoint_every
-        for i in range(first, steps + 1):
-            m = self.train_step()
-            history.append(m)
-            if every and i % every == 0 and i < steps:
-                self.checkpoints.save(i)
-            bar.update(i, [("loss", m.loss), ("error", m.top1_error), ("img/s", m.images_per_sec)])
-            if self.config.eval_every and i % self.config.eval_every == 0 and i < steps:
-                ev = self.evaluate()
-                log(f"step {i}/{steps}: train loss {m.loss:.4f} | val loss {ev.loss:.4f} "
-                    f"val top-1 error {ev.top1_error:.2%} | {m.images_per_sec:.0f} img/s")
-        wall = time.perf_counter() - started
-        if not history:
-            log(f"nothing to do: the run in {self.logdir} is already at step {first - 1}")
-            return {"steps": first - 1}
-        saved = self.checkpoints.save(steps)
-        if self.config.export_dir:
+        try:
+            for i in range(first, steps + 1):
+                m = self._run_logged_step(i, steps, summaries)
+                history.append(m)
+                bar.update(i, [("loss", m.loss), ("error", m.top1_error),
+                               ("img/s", m.images_per_sec)])
+                if config.checkpoint_every and i % config.checkpoint_every == 0 and i < steps:
+                    self.checkpoints.save(i)
+                if config.eval_every and i % config.eval_every == 0 and i < steps:
+                    ev = self.evaluate()
+                    summaries.validation(i, ev.loss, ev.top1_error, ev.top5_error)
+                    log(f"step {i}/{steps}: train loss {m.loss:.4f} | val loss {ev.loss:.4f} "
+                        f"val top-1 error {ev.top1_error:.2%} | {m.images_per_sec:.0f} img/s")
+            wall = time.perf_counter() - started
+            saved = self.checkpoints.save(steps)
+            ev = self.evaluate()
+            summaries.validation(steps, ev.loss, ev.top1_error, ev.top5_error)
+        finally:
+            summaries.close()
+        if config.export_dir:
             from owt_tf.export import export_saved_model
 
             path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
-                                      self.config.export_dir)
+                                      config.export_dir)
             log(f"exported SavedModel to {path}")
-        ev = self.evaluate()
         steady = [m.images_per_sec for m in history[1:]] or [history[0].images_per_sec]
         summary = {"steps": steps, "train_loss": history[-1].loss, "val_loss": ev.loss,
                    "val_top1_error": ev.top1_error, "val_top5_error": ev.top5_error,
                    "images_per_sec": float(np.median(steady)), "wall_s": wall,
                    "bytes_per_step": history[-1].bytes_per_step}
-        log(f"done: {steps} steps in {wall:.1f}s | {self.config.scheme} on "
+        log(f"done: {steps} steps in {wall:.1f}s | {config.scheme} on "
             f"{len(self.devices)} devices | val top-1 error {ev.top1_error:.2%} "
             f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
             f"{summary['images_per_sec']:.0f} img/s | "
             f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/worker | checkpoint {saved}")
         return summary
+
+    def _run_logged_step(self, i: int, steps: int, summaries: RunSummaries) -> StepMetrics:
+        config = self.config
+        histograms = bool(config.histogram_every) and i % config.histogram_every == 0
+        summaries.before_step(i)
+        m = self.train_step(with_grads=histograms)
+        summaries.after_step(i)
+        if (config.log_every and i % config.log_every == 0) or i == steps:
+            summaries.train(i, m.loss, m.top1_error, m.images_per_sec, m.bytes_per_step,
+                            float(self.optimizer.trunk.learning_rate.numpy()),
+                            float(self.optimizer.fc_learning_rate.numpy()))
+        if histograms:
+            summaries.histograms(i, "weights", self.model.named_weights().items())
+            summaries.histograms(i, "gradients", m.grads.items())
+        return m

@@ -1,0 +1,82 @@
+"""TensorBoard: the writer of a run and the tag names other tools rely on (DESIGN.md).
+
+Summaries are written from the host loop, outside strategy.run: tf.summary inside a replica
+function records replica 0 only. Watch a run with `tensorboard --logdir runs`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Dict, Iterable, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+TRAIN_LOSS = "train/loss"
+TRAIN_TOP1 = "train/top1_error"
+VAL_LOSS = "val/loss"
+VAL_TOP1 = "val/top1_error"
+VAL_TOP5 = "val/top5_error"
+LR_CONV = "lr/conv"
+LR_FC = "lr/fc"
+IMAGES_PER_SEC = "perf/images_per_sec"
+BYTES_PER_STEP = "comm/bytes_per_step"
+CONTRACT_TAGS = (TRAIN_LOSS, TRAIN_TOP1, VAL_LOSS, VAL_TOP1, VAL_TOP5, LR_CONV, LR_FC,
+                 IMAGES_PER_SEC, BYTES_PER_STEP)
+
+
+class RunSummaries:
+    """Scalars, the config, sample inputs, histograms and an optional profile of one run."""
+
+    def __init__(self, logdir: str, profile_steps: Optional[Tuple[int, int]] = None):
+        self.logdir = logdir
+        self.writer = tf.summary.create_file_writer(logdir)
+        self.profile_steps = profile_steps
+        self._profiling = False
+
+    def config(self, config: Dict[str, object]) -> None:
+        rows = "\n".join(f"| {k} | {json.dumps(v)} |" for k, v in sorted(config.items()))
+        with self.writer.as_default():
+            tf.summary.text("config", f"| flag | value |\n|---|---|\n{rows}", step=0)
+
+    def sample_images(self, images: np.ndarray, step: int, count: int = 8) -> None:
+        with self.writer.as_default():
+            tf.summary.image("train/sample_images", images[:count], step=step, max_outputs=count)
+
+    def train(self, step: int, loss: float, top1_error: float, images_per_sec: float,
+              bytes_per_step: float, conv_lr: float, fc_lr: float) -> None:
+        with self.writer.as_default():
+            for tag, value in ((TRAIN_LOSS, loss), (TRAIN_TOP1, top1_error),
+                               (IMAGES_PER_SEC, images_per_sec), (BYTES_PER_STEP, bytes_per_step),
+                               (LR_CONV, conv_lr), (LR_FC, fc_lr)):
+                tf.summary.scalar(tag, value, step=step)
+
+    def validation(self, step: int, loss: float, top1_error: float, top5_error: float) -> None:
+        with self.writer.as_default():
+            tf.summary.scalar(VAL_LOSS, loss, step=step)
+            tf.summary.scalar(VAL_TOP1, top1_error, step=step)
+            tf.summary.scalar(VAL_TOP5, top5_error, step=step)
+        self.writer.flush()
+
+    def histograms(self, step: int, kind: str, named: Iterable[Tuple[str, np.ndarray]]) -> None:
+        """`kind` is 'weights' or 'gradients'; one histogram per named array."""
+        with self.writer.as_default():
+            for name, value in named:
+                tf.summary.histogram(f"{kind}/{name}", value, step=step)
+
+    def before_step(self, step: int) -> None:
+        if self.profile_steps and step == self.profile_steps[0] and not self._profiling:
+            tf.profiler.experimental.start(self.logdir)
+            self._profiling = True
+
+    def after_step(self, step: int) -> None:
+        if self._profiling and step >= self.profile_steps[1]:
+            tf.profiler.experimental.stop()
+            self._profiling = False
+
+    def close(self) -> None:
+        if self._profiling:
+            tf.profiler.experimental.stop()
+            self._profiling = False
+        self.writer.flush()
+        self.writer.close()
