@@ -67,7 +67,7 @@ def build_serving_module(model, mean: Sequence[float], std: Sequence[float]):
 
 
 def export_saved_model(model, mean: Sequence[float], std: Sequence[float], out: str,
-                       overwrite: bool = False) -> str:
+                       overwrite: bool = False, dataset: Optional[str] = None) -> str:
     """Writes the SavedModel of `model` (a DistributedModel) to `out`, atomically."""
     import tensorflow as tf
 
@@ -81,7 +81,8 @@ def export_saved_model(model, mean: Sequence[float], std: Sequence[float], out: 
         tf.saved_model.save(module, staging, signatures={EXPORT_SIGNATURE: module.serve})
         with open(os.path.join(staging, "owt_tf_export.json"), "w") as f:
             json.dump({"model": model.spec.name, "num_classes": model.spec.head.num_classes,
-                       "input_shape": list(model.spec.input_shape), "mean": list(mean),
+                       "input_shape": list(model.spec.input_shape), "dataset": dataset,
+                       "mean": list(mean),
                        "std": list(std)}, f, indent=1)
         if os.path.exists(out):
             retired = out + ".old-" + os.path.basename(staging)
@@ -130,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_out_dir(args.out, args.overwrite)
         trainer = load_run(args.logdir)
         path = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
-                                  args.out, args.overwrite)
+                                  args.out, args.overwrite, trainer.config.dataset)
     except ExportError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2

@@ -88,3 +88,32 @@ def test_export_cli_from_a_logdir(trained, tmp_path):
     again = subprocess.run([sys.executable, "-m", "owt_tf.export", "--logdir", trained.logdir,
                             "--out", str(out)], capture_output=True, text=True, env=ENV, timeout=300)
     assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_evaluate_cli_reports_the_runs_validation_error(trained, tmp_path):
+    """Center crop: the run's own validation numbers, from the checkpoint and from the export."""
+    import re
+
+    ev = trained.evaluate()
+    out = tmp_path / "for_eval"
+    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out),
+                       dataset="digits")
+    for source in (["--logdir", trained.logdir], ["--model", str(out)]):
+        proc = subprocess.run([sys.executable, "-m", "owt_tf.evaluate", *source],
+                              capture_output=True, text=True, env=ENV, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = re.search(r"top-1 error ([0-9.]+)%  top-5 error ([0-9.]+)%", proc.stdout)
+        assert found, proc.stdout
+        assert abs(float(found.group(1)) / 100 - ev.top1_error) < 1e-4
+        assert abs(float(found.group(2)) / 100 - ev.top5_error) < 1e-4
+
+
+def test_ten_crop_views():
+    from owt_tf.evaluate import ten_crops
+
+    images = np.arange(2 * 5 * 6 * 1).reshape(2, 5, 6, 1)
+    crops = ten_crops(images, (3, 4))
+    assert len(crops) == 10 and all(c.shape == (2, 3, 4, 1) for c in crops)
+    np.testing.assert_array_equal(crops[0], images[:, :3, :4])
+    np.testing.assert_array_equal(crops[3], images[:, 2:, 2:])
+    np.testing.assert_array_equal(crops[5], images[:, :3, :4][:, :, ::-1])

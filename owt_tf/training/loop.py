@@ -180,7 +180,7 @@ class Trainer:
             from owt_tf.export import export_saved_model
 
             path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
-                                      config.export_dir)
+                                      config.export_dir, dataset=config.dataset)
             log(f"exported SavedModel to {path}")
         steady = [m.images_per_sec for m in history[1:]] or [history[0].images_per_sec]
         summary = {"steps": steps, "train_loss": history[-1].loss, "val_loss": ev.loss,
