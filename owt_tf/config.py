@@ -15,6 +15,7 @@ FC_BATCH_MODES = ("global", "worker")
 FC_EXCHANGES = ("gather", "colrow")
 LOSS_MODES = ("gathered", "sharded")
 LR_SCALINGS = ("linear", "sqrt", "none")
+LR_SCHEDULES = ("constant", "step", "cosine")
 
 
 class ConfigError(ValueError):
@@ -40,8 +41,12 @@ class RunConfig:
     fc_exchange: str = "gather"
     loss: str = "gathered"
     steps: int = 600
+    epochs: Optional[float] = None  # when set, overrides steps
     lr: float = 0.01  # base rate for one worker's batch; scaled per layer kind
     conv_lr_scaling: str = "linear"
+    lr_schedule: str = "constant"
+    lr_decay_epochs: str = "30,60,80"  # 'step' schedule: rates / 10 at these epochs
+    warmup_epochs: float = 0.0
     momentum: float = 0.9
     weight_decay: float = 5e-4
     dropout: float = 0.5
@@ -84,6 +89,12 @@ class RunConfig:
         _choice("--fc-exchange", self.fc_exchange, FC_EXCHANGES)
         _choice("--loss", self.loss, LOSS_MODES)
         _choice("--conv-lr-scaling", self.conv_lr_scaling, LR_SCALINGS)
+        _choice("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
+        self.decay_epochs()
+        if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise ConfigError("--epochs", f"must be a number > 0, got {self.epochs}")
+        if not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
+            raise ConfigError("--warmup-epochs", f"must be >= 0, got {self.warmup_epochs}")
         from owt_tf.data import DATASET_NAMES
         from owt_tf.models.registry import MODEL_NAMES
 
@@ -130,6 +141,24 @@ class RunConfig:
         return self
 
 
+    def decay_epochs(self) -> tuple:
+        """--lr-decay-epochs as increasing floats."""
+        try:
+            epochs = tuple(float(e) for e in self.lr_decay_epochs.split(",") if e.strip())
+        except ValueError:
+            raise ConfigError("--lr-decay-epochs", f"expected comma-separated epochs, got "
+                              f"{self.lr_decay_epochs!r}") from None
+        if list(epochs) != sorted(epochs) or any(e <= 0 for e in epochs):
+            raise ConfigError("--lr-decay-epochs", f"must be increasing and > 0, got "
+                              f"{self.lr_decay_epochs!r}")
+        return epochs
+
+    def total_steps(self, train_examples: int) -> int:
+        """--epochs turned into steps for this global batch, else --steps."""
+        if self.epochs is None:
+            return self.steps
+        return max(1, math.ceil(self.epochs * train_examples / self.global_batch_size))
+
     def profile_range(self) -> Optional[tuple]:
         """--profile-steps 'A:B' as (A, B), 1 <= A <= B."""
         if self.profile_steps is None:
@@ -153,6 +182,32 @@ class RunConfig:
             if width % self.devices:
                 raise ConfigError("--devices", f"model {self.model}'s FC width {width} is not "
                                   f"divisible by {self.devices} devices")
+
+
+PRESETS = {
+    # The no-flag run: RunConfig's own defaults.
+    "demo": {},
+    # Krizhevsky 2014 / cuda-convnet2: 128 per worker, FC batch 128 (K FC updates per conv
+    # update), conv rate scaled by K, momentum 0.9, weight decay 5e-4, 90 epochs, rates / 10
+    # at epochs 30, 60 and 80.
+    "imagenet-paper": dict(model="alexnet", dataset="imagenet2012", batch_size=128,
+                           scheme="owt-b", fc_batch="worker", conv_lr_scaling="linear",
+                           lr=0.01, momentum=0.9, weight_decay=5e-4, dropout=0.5, epochs=90.0,
+                           lr_schedule="step", lr_decay_epochs="30,60,80", eval_every=5000,
+                           checkpoint_every=5000, log_every=100, histogram_every=5000),
+}
+
+
+def lr_factor(config: RunConfig, step: int, steps_per_epoch: float, total_steps: int) -> float:
+    """Multiplier of both learning rates before `step` (1-based): warm-up, then the schedule."""
+    epoch = (step - 1) / steps_per_epoch
+    warmup = config.warmup_epochs
+    factor = min(1.0, (epoch + 1.0 / steps_per_epoch) / warmup) if warmup > 0 else 1.0
+    if config.lr_schedule == "step":
+        factor *= 0.1 ** sum(epoch >= e for e in config.decay_epochs())
+    elif config.lr_schedule == "cosine":
+        factor *= 0.5 * (1.0 + math.cos(math.pi * (step - 1) / max(total_steps, 1)))
+    return factor
 
 
 def lr_scale(rule: str, k: int) -> float:

@@ -10,8 +10,8 @@ import dataclasses
 import sys
 from typing import List, Optional
 
-from owt_tf.config import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS, SCHEMES,
-                           ConfigError, RunConfig)
+from owt_tf.config import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS,
+                           LR_SCHEDULES, PRESETS, SCHEMES, ConfigError, RunConfig)
 
 HELP = {
     "model": "network: alexnet (the paper's, 224x224) or alexnet_tiny (32x32, CPU-sized)",
@@ -24,7 +24,11 @@ HELP = {
     "fc_batch": "global: FC updated once per step on B*K; worker: after every round on B (b, c)",
     "fc_exchange": "gather (paper: all-gather FC outputs) or colrow (Megatron column/row pairs)",
     "loss": "gathered (all-gather logits) or sharded (class-sharded softmax cross-entropy)",
-    "steps": "optimizer steps to train",
+    "steps": "optimizer steps to train (in all, counting those of a resumed run)",
+    "epochs": "passes over the training split; when given, overrides --steps",
+    "lr_schedule": "constant, step (rates / 10 at --lr-decay-epochs, AlexNet) or cosine",
+    "lr_decay_epochs": "comma-separated epochs for the step schedule",
+    "warmup_epochs": "linear learning-rate warm-up over this many epochs",
     "lr": "base learning rate for one worker's batch; conv and FC rates are scaled from it",
     "conv_lr_scaling": "how the rate grows with the batch: linear, sqrt or none",
     "momentum": "SGD momentum",
@@ -41,7 +45,7 @@ HELP = {
     "profile_steps": "A:B: record a TensorBoard profiler trace of steps A to B",
     "allow_cpu_devices": "use logical CPU devices when there are fewer GPUs than --devices",
 }
-CHOICES = {"scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
+CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
            "loss": LOSS_MODES, "conv_lr_scaling": LR_SCALINGS}
 
 
@@ -64,14 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
                                 help=HELP[field.name])
             continue
         kind = type(default) if default is not None else str
+        if field.name == "epochs":
+            kind = float
         parser.add_argument(flag, type=kind, default=default, help=HELP[field.name],
                             choices=CHOICES.get(field.name))
+    parser.add_argument("--preset", choices=tuple(PRESETS), default="demo",
+                        help="a named recipe; flags given with it override its values")
     return parser
 
 
 def parse_config(argv: Optional[List[str]] = None) -> RunConfig:
-    args = build_parser().parse_args(argv)
-    return RunConfig(**vars(args))
+    """Flags over the preset's values over RunConfig's defaults."""
+    parser = build_parser()
+    preset = parser.parse_args(argv).preset
+    parser.set_defaults(**PRESETS[preset])
+    args = vars(parser.parse_args(argv))
+    args.pop("preset")
+    return RunConfig(**args)
 
 
 def _fail(message) -> int:

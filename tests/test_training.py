@@ -56,3 +56,34 @@ def test_cli_trains_and_reports(tmp_path):
                      proc.stdout, re.M), proc.stdout
     done = re.search(r"^done: 40 steps .* val top-1 error ([0-9.]+)%", proc.stdout, re.M)
     assert done and float(done.group(1)) < 90.0, proc.stdout
+
+
+def test_learning_rate_schedule_reaches_the_optimizers(devices, tmp_path):
+    """Step decay with warm-up: the rates the optimizers hold follow the schedule."""
+    from owt_tf.config import lr_factor
+
+    config = RunConfig(steps=6, eval_every=0, devices=2, batch_size=8, logdir=str(tmp_path),
+                       lr_schedule="step", lr_decay_epochs="0.05", warmup_epochs=0.02)
+    trainer = Trainer(config, devices=devices[:2])
+    trainer.fit(log=lambda line: None, progress=False)
+    per_epoch = len(trainer.dataset.train_labels) / config.global_batch_size
+    factor = lr_factor(config, 6, per_epoch, 6)
+    assert factor == pytest.approx(0.1)  # ~90 steps an epoch: warm-up ends at step 2, decay at 5
+    assert lr_factor(config, 1, per_epoch, 6) < 1.0
+    assert float(trainer.optimizer.trunk.learning_rate.numpy()) == pytest.approx(config.conv_lr * factor)
+    assert float(trainer.optimizer.fc_learning_rate.numpy()) == pytest.approx(config.fc_lr * factor)
+
+
+def test_epochs_override_steps():
+    config = RunConfig(epochs=2.0, batch_size=32, devices=2)
+    assert config.total_steps(1438) == 45  # ceil(2 * 1438 / 64)
+
+
+def test_presets_fill_in_and_flags_override():
+    from owt_tf.train import parse_config
+
+    paper = parse_config(["--preset", "imagenet-paper", "--devices", "4"])
+    assert (paper.model, paper.batch_size, paper.fc_batch, paper.epochs) == ("alexnet", 128, "worker", 90.0)
+    assert paper.conv_lr == pytest.approx(4 * paper.lr) and paper.fc_lr == pytest.approx(paper.lr)
+    assert parse_config(["--preset", "imagenet-paper", "--batch-size", "64"]).batch_size == 64
+    assert parse_config([]) == RunConfig()

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.config import RunConfig
+from owt_tf.config import RunConfig, lr_factor
 from owt_tf.data.datasets import load_dataset
 from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
@@ -134,13 +134,14 @@ class Trainer:
 
     def fit(self, steps: Optional[int] = None, log: Callable[[str], None] = print,
             progress: bool = True) -> Dict[str, float]:
-        """Trains up to step `steps` (default: config.steps) from wherever the run is.
+        """Trains up to step `steps` (default: --steps, or --epochs in steps) from wherever
+        the run is.
 
         Validates every config.eval_every steps, writes TensorBoard summaries to the logdir
         and checkpoints every config.checkpoint_every steps and at the end.
         """
         config = self.config
-        steps = steps or config.steps
+        steps = steps or config.total_steps(len(self.dataset.train_labels))
         first = int(self.step) + 1
         self.checkpoints.write_identity(self.logdir, dataclasses.asdict(config))
         if self.resumed_from:
@@ -197,6 +198,9 @@ class Trainer:
     def _run_logged_step(self, i: int, steps: int, summaries: RunSummaries) -> StepMetrics:
         config = self.config
         histograms = bool(config.histogram_every) and i % config.histogram_every == 0
+        steps_per_epoch = len(self.dataset.train_labels) / config.global_batch_size
+        factor = lr_factor(config, i, steps_per_epoch, steps)
+        self.optimizer.set_learning_rates(config.conv_lr * factor, config.fc_lr * factor)
         summaries.before_step(i)
         m = self.train_step(with_grads=histograms)
         summaries.after_step(i)
