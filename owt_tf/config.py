@@ -99,7 +99,10 @@ class RunConfig:
         from owt_tf.models.registry import MODEL_NAMES
 
         _choice("--model", self.model, MODEL_NAMES)
-        _choice("--dataset", self.dataset, DATASET_NAMES)
+        if not self.dataset.startswith("folder:"):
+            _choice("--dataset", self.dataset, DATASET_NAMES + ("folder:PATH",))
+        elif not os.path.isdir(self.dataset[len("folder:"):]):
+            raise ConfigError("--dataset", f"{self.dataset}: no such directory")
         _positive_int("--devices", self.devices)
         _positive_int("--batch-size", self.batch_size)
         _positive_int("--steps", self.steps)

@@ -86,6 +86,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ExportError, FileNotFoundError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
+    if not hasattr(dataset, "val_images"):  # streamed from disk
+        if args.ten_crop or args.model or args.split != "validation":
+            print(f"{parser.prog}: error: --ten-crop, --model and --split train need an in-memory "
+                  f"dataset; {dataset.name} is streamed: use --logdir", file=sys.stderr)
+            return 2
+        ev = trainer.evaluate()
+        print(f"{dataset.name} validation ({ev.examples} images, center crop): "
+              f"top-1 error {ev.top1_error:.2%}  top-5 error {ev.top5_error:.2%}")
+        return 0
     images = dataset.val_images if args.split == "validation" else dataset.train_images
     labels = dataset.val_labels if args.split == "validation" else dataset.train_labels
     result = evaluate_probabilities(predict, images, labels, size, args.ten_crop)

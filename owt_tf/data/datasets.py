@@ -1,8 +1,11 @@
 """Datasets by name, as tf.data pipelines of global batches.
 
-    digits      scikit-learn's bundled 8x8 handwritten digits (real data, no download),
-                resized to the model's input; a fixed 80/20 train/validation split
-    synthetic   random images and labels of the model's size, for benchmarks only
+    digits       scikit-learn's bundled 8x8 handwritten digits (real data, no download),
+                 resized to the model's input; a fixed 80/20 train/validation split
+    folder:PATH  images in PATH/train/<label>/* and PATH/validation/<label>/* (or test/),
+                 the tfds.ImageFolder layout, streamed and decoded by tf.data with AlexNet's
+                 training augmentation (random crop, flip, lighting) and a center crop for eval
+    synthetic    random images and labels of the model's size, for benchmarks only
 
 A training batch is the *global* batch of B*K examples; MirroredStrategy's
 experimental_distribute_dataset gives replica k rows k*B ... (k+1)*B-1 of it, so step t
@@ -11,6 +14,7 @@ sees the same examples whatever K is (DESIGN.md's run contract).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional, Tuple
 
 import numpy as np
@@ -61,6 +65,13 @@ class ArrayDataset:
     def _prepare(self, images, labels):
         return normalize(images, self.mean, self.std), labels
 
+    @property
+    def num_train(self) -> int:
+        return len(self.train_labels)
+
+    def sample_images(self, count: int = 8) -> np.ndarray:
+        return self.train_images[:count]
+
 
 def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Optional[int] = None,
                  seed: int = 0) -> ArrayDataset:
@@ -69,6 +80,8 @@ def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Opti
         return _digits(image_shape)
     if name == "synthetic":
         return _synthetic(image_shape, num_classes or 10, seed)
+    if name.startswith("folder:"):
+        return FolderDataset(name[len("folder:"):], image_shape)
     raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
 
 
@@ -99,3 +112,94 @@ def _synthetic(image_shape, num_classes, seed) -> ArrayDataset:
     c = image_shape[-1]
     return ArrayDataset("synthetic", num_classes, images[:n_train], labels[:n_train],
                         images[n_train:], labels[n_train:], (127.5,) * c, (73.9,) * c)
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
+
+
+class FolderDataset:
+    """`folder:PATH`: a labelled image tree streamed from disk (labels: sorted folder names)."""
+
+    def __init__(self, root: str, image_shape: Tuple[int, int, int]):
+        self.name = f"folder:{root}"
+        self.image_shape = tuple(image_shape)
+        split_dirs = {s: os.path.join(root, s) for s in ("train", "validation", "test")}
+        if not os.path.isdir(split_dirs["train"]):
+            raise DatasetError(f"{self.name}: no train/ folder in {root}")
+        val = split_dirs["validation"] if os.path.isdir(split_dirs["validation"]) else split_dirs["test"]
+        if not os.path.isdir(val):
+            raise DatasetError(f"{self.name}: no validation/ or test/ folder in {root}")
+        self.class_names = sorted(d for d in os.listdir(split_dirs["train"])
+                                  if os.path.isdir(os.path.join(split_dirs["train"], d)))
+        if not self.class_names:
+            raise DatasetError(f"{self.name}: train/ has no label folders")
+        self.num_classes = len(self.class_names)
+        self.train_files, self.train_file_labels = self._list(split_dirs["train"])
+        self.val_files, self.val_file_labels = self._list(val)
+        # AlexNet subtracts the mean pixel; ImageNet's mean and spread stand in for any folder.
+        self.mean = (123.68, 116.78, 103.94)[: image_shape[-1]]
+        self.std = (58.4, 57.1, 57.4)[: image_shape[-1]]
+
+    def _list(self, split_dir: str):
+        files, labels = [], []
+        for label, name in enumerate(self.class_names):
+            folder = os.path.join(split_dir, name)
+            found = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_SUFFIXES)) \
+                if os.path.isdir(folder) else []
+            if not found and split_dir.endswith("train"):
+                raise DatasetError(f"{self.name}: label folder {folder} has no images")
+            files += [os.path.join(folder, f) for f in found]
+            labels += [label] * len(found)
+        return np.array(files), np.array(labels, np.int32)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_files)
+
+    def _decode(self, path):
+        image = tf.io.decode_image(tf.io.read_file(path), channels=self.image_shape[-1],
+                                   expand_animations=False)
+        image.set_shape([None, None, self.image_shape[-1]])
+        return image
+
+    def train(self, global_batch: int, seed: int) -> tf.data.Dataset:
+        from owt_tf.data.preprocess import train_augment
+
+        if self.num_train < global_batch:
+            raise DatasetError(f"{self.name}: {self.num_train} training images is fewer than "
+                               f"one global batch of {global_batch}")
+        size = self.image_shape[:2]
+        files = tf.data.Dataset.from_tensor_slices((self.train_files, self.train_file_labels))
+        files = files.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True).repeat()
+        # Each example's augmentation is seeded by its position in the stream: repeatable.
+        indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(), files))
+
+        def load(index, item):
+            path, label = item
+            image = train_augment(self._decode(path), size,
+                                  tf.stack([tf.cast(seed, tf.int32), tf.cast(index, tf.int32)]))
+            return normalize(image, self.mean, self.std), label
+
+        ds = indexed.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return ds.batch(global_batch, drop_remainder=True).prefetch(2)
+
+    def validation(self, global_batch: int) -> tf.data.Dataset:
+        from owt_tf.data.preprocess import eval_preprocess
+
+        n = len(self.val_files)
+        pad = (-n) % global_batch
+        files = np.concatenate([self.val_files, self.val_files[:1].repeat(pad)])
+        labels = np.concatenate([self.val_file_labels, -np.ones(pad, np.int32)])
+
+        def load(path, label):
+            image = eval_preprocess(self._decode(path)[None], self.image_shape[:2], self.mean,
+                                    self.std)[0]
+            return image, label
+
+        ds = tf.data.Dataset.from_tensor_slices((files, labels))
+        return ds.map(load, num_parallel_calls=tf.data.AUTOTUNE).batch(global_batch).prefetch(2)
+
+    def sample_images(self, count: int = 8) -> np.ndarray:
+        size = self.image_shape[:2]
+        return np.stack([tf.image.resize(self._decode(p), size).numpy().astype(np.uint8)
+                         for p in self.train_files[:count]])

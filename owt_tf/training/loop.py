@@ -141,7 +141,7 @@ class Trainer:
         and checkpoints every config.checkpoint_every steps and at the end.
         """
         config = self.config
-        steps = steps or config.total_steps(len(self.dataset.train_labels))
+        steps = steps or config.total_steps(self.dataset.num_train)
         first = int(self.step) + 1
         self.checkpoints.write_identity(self.logdir, dataclasses.asdict(config))
         if self.resumed_from:
@@ -151,7 +151,7 @@ class Trainer:
             return {"steps": first - 1}
         summaries = RunSummaries(self.logdir, config.profile_range())
         summaries.config(dataclasses.asdict(config))
-        summaries.sample_images(self.dataset.train_images, first)
+        summaries.sample_images(self.dataset.sample_images(), first)
         # A live bar on a terminal; in a log file only the periodic lines below.
         verbose = (1 if sys.stdout.isatty() else 0) if progress else 0
         bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "error", "img/s"],
@@ -198,7 +198,7 @@ class Trainer:
     def _run_logged_step(self, i: int, steps: int, summaries: RunSummaries) -> StepMetrics:
         config = self.config
         histograms = bool(config.histogram_every) and i % config.histogram_every == 0
-        steps_per_epoch = len(self.dataset.train_labels) / config.global_batch_size
+        steps_per_epoch = self.dataset.num_train / config.global_batch_size
         factor = lr_factor(config, i, steps_per_epoch, steps)
         self.optimizer.set_learning_rates(config.conv_lr * factor, config.fc_lr * factor)
         summaries.before_step(i)

@@ -40,6 +40,7 @@ class RunSummaries:
             tf.summary.text("config", f"| flag | value |\n|---|---|\n{rows}", step=0)
 
     def sample_images(self, images: np.ndarray, step: int, count: int = 8) -> None:
+        """A few training inputs as the model sees their pixels (before normalization)."""
         with self.writer.as_default():
             tf.summary.image("train/sample_images", images[:count], step=step, max_outputs=count)
 
