@@ -34,6 +34,7 @@ class RunConfig:
     dataset: str = "digits"
     data_dir: Optional[str] = None
     manual_dir: Optional[str] = None
+    download: bool = False
     devices: int = 2
     scheme: str = "owt-b"
     batch_size: int = 32  # per worker, as in the paper (128 per GPU there)
@@ -99,8 +100,11 @@ class RunConfig:
         from owt_tf.models.registry import MODEL_NAMES
 
         _choice("--model", self.model, MODEL_NAMES)
-        if not self.dataset.startswith("folder:"):
-            _choice("--dataset", self.dataset, DATASET_NAMES + ("folder:PATH",))
+        if self.dataset.startswith("tfds:"):
+            if not self.dataset[len("tfds:"):]:
+                raise ConfigError("--dataset", "tfds:NAME needs a dataset name")
+        elif not self.dataset.startswith("folder:"):
+            _choice("--dataset", self.dataset, DATASET_NAMES + ("folder:PATH", "tfds:NAME"))
         elif not os.path.isdir(self.dataset[len("folder:"):]):
             raise ConfigError("--dataset", f"{self.dataset}: no such directory")
         _positive_int("--devices", self.devices)

@@ -15,8 +15,10 @@ from owt_tf.config import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS
 
 HELP = {
     "model": "network: alexnet (the paper's, 224x224) or alexnet_tiny (32x32, CPU-sized)",
-    "dataset": "digits (embedded default) or synthetic",
-    "data_dir": "where prepared datasets live",
+    "dataset": "digits (embedded default), folder:PATH (PATH/train/<label>/*, PATH/validation/"
+               "<label>/*), tfds:NAME (a TFDS dataset prepared in --data-dir) or synthetic",
+    "data_dir": "where prepared TFDS datasets live",
+    "download": "let TFDS download and prepare a tfds:NAME dataset that is not prepared yet",
     "manual_dir": "where manually downloaded archives live",
     "devices": "K: number of workers (GPUs, else logical CPU devices)",
     "scheme": "single | data (pure data parallel) | owt-a | owt-b | owt-c (PAPER.md)",
@@ -99,12 +101,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as err:
         return _fail(err)
     # TensorFlow loads only now, after the flags were found good.
+    from owt_tf.data.datasets import DatasetError
     from owt_tf.training.checkpoint import CheckpointMismatch
     from owt_tf.training.loop import Trainer
 
     try:
         trainer = Trainer(config)
-    except (ConfigError, CheckpointMismatch) as err:
+    except (ConfigError, CheckpointMismatch, DatasetError) as err:
         return _fail(err)
     trainer.fit()
     return 0

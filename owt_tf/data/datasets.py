@@ -74,7 +74,7 @@ class ArrayDataset:
 
 
 def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Optional[int] = None,
-                 seed: int = 0) -> ArrayDataset:
+                 seed: int = 0, data_dir: Optional[str] = None, download: bool = False):
     """The dataset called `name`, with images of `image_shape` (H, W, C)."""
     if name == "digits":
         return _digits(image_shape)
@@ -82,6 +82,8 @@ def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Opti
         return _synthetic(image_shape, num_classes or 10, seed)
     if name.startswith("folder:"):
         return FolderDataset(name[len("folder:"):], image_shape)
+    if name.startswith("tfds:"):
+        return TfdsDataset(name[len("tfds:"):], image_shape, data_dir, download)
     raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
 
 
@@ -117,12 +119,73 @@ def _synthetic(image_shape, num_classes, seed) -> ArrayDataset:
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 
 
-class FolderDataset:
-    """`folder:PATH`: a labelled image tree streamed from disk (labels: sorted folder names)."""
+class StreamDataset:
+    """Images streamed and decoded by tf.data, AlexNet-augmented for training.
+
+    Subclasses provide `_train_images(seed)` (endless, shuffled (uint8 image, label) pairs)
+    and `_val_images()` (one pass), plus num_classes, num_train and name."""
+
+    name: str
+    num_classes: int
+    num_train: int
+    image_shape: Tuple[int, int, int]
+    # AlexNet subtracts the mean pixel; ImageNet's mean and spread stand in for any set.
+    mean: Tuple[float, ...] = (123.68, 116.78, 103.94)
+    std: Tuple[float, ...] = (58.4, 57.1, 57.4)
+
+    def _channels(self):
+        c = self.image_shape[-1]
+        self.mean, self.std = tuple(self.mean[:c]), tuple(self.std[:c])
+
+    def train(self, global_batch: int, seed: int) -> tf.data.Dataset:
+        from owt_tf.data.preprocess import train_augment
+
+        if self.num_train < global_batch:
+            raise DatasetError(f"{self.name}: {self.num_train} training images is fewer than "
+                               f"one global batch of {global_batch}")
+        size = self.image_shape[:2]
+        # Each example's augmentation is seeded by its position in the stream: repeatable.
+        indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(), self._train_images(seed)))
+
+        def augment(index, item):
+            image, label = item
+            seeds = tf.stack([tf.cast(seed, tf.int32), tf.cast(index, tf.int32)])
+            return normalize(train_augment(image, size, seeds), self.mean, self.std), label
+
+        ds = indexed.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return ds.batch(global_batch, drop_remainder=True).prefetch(2)
+
+    def validation(self, global_batch: int) -> tf.data.Dataset:
+        """One pass, center crops; the last batch is padded with label -1."""
+        from owt_tf.data.preprocess import eval_preprocess
+
+        h, w, c = self.image_shape
+
+        def center(image, label):
+            return eval_preprocess(image[None], (h, w), self.mean, self.std)[0], label
+
+        def pad(x, y):  # whole global batches, so that every replica gets its rows
+            missing = global_batch - tf.shape(y)[0]
+            x = tf.concat([x, tf.zeros([missing, h, w, c])], 0)
+            y = tf.concat([y, -tf.ones([missing], tf.int32)], 0)
+            return tf.ensure_shape(x, [global_batch, h, w, c]), tf.ensure_shape(y, [global_batch])
+
+        ds = self._val_images().map(center, num_parallel_calls=tf.data.AUTOTUNE)
+        return ds.batch(global_batch).map(pad).prefetch(2)
+
+    def sample_images(self, count: int = 8) -> np.ndarray:
+        size = self.image_shape[:2]
+        return np.stack([tf.cast(tf.image.resize(img, size), tf.uint8).numpy()
+                         for img, _ in self._train_images(0).take(count)])
+
+
+class FolderDataset(StreamDataset):
+    """`folder:PATH`: a labelled image tree (labels: the sorted folder names)."""
 
     def __init__(self, root: str, image_shape: Tuple[int, int, int]):
         self.name = f"folder:{root}"
         self.image_shape = tuple(image_shape)
+        self._channels()
         split_dirs = {s: os.path.join(root, s) for s in ("train", "validation", "test")}
         if not os.path.isdir(split_dirs["train"]):
             raise DatasetError(f"{self.name}: no train/ folder in {root}")
@@ -136,9 +199,7 @@ class FolderDataset:
         self.num_classes = len(self.class_names)
         self.train_files, self.train_file_labels = self._list(split_dirs["train"])
         self.val_files, self.val_file_labels = self._list(val)
-        # AlexNet subtracts the mean pixel; ImageNet's mean and spread stand in for any folder.
-        self.mean = (123.68, 116.78, 103.94)[: image_shape[-1]]
-        self.std = (58.4, 57.1, 57.4)[: image_shape[-1]]
+        self.num_train = len(self.train_files)
 
     def _list(self, split_dir: str):
         files, labels = [], []
@@ -152,54 +213,70 @@ class FolderDataset:
             labels += [label] * len(found)
         return np.array(files), np.array(labels, np.int32)
 
-    @property
-    def num_train(self) -> int:
-        return len(self.train_files)
-
-    def _decode(self, path):
+    def _decode(self, path, label):
         image = tf.io.decode_image(tf.io.read_file(path), channels=self.image_shape[-1],
                                    expand_animations=False)
         image.set_shape([None, None, self.image_shape[-1]])
-        return image
+        return image, label
 
-    def train(self, global_batch: int, seed: int) -> tf.data.Dataset:
-        from owt_tf.data.preprocess import train_augment
-
-        if self.num_train < global_batch:
-            raise DatasetError(f"{self.name}: {self.num_train} training images is fewer than "
-                               f"one global batch of {global_batch}")
-        size = self.image_shape[:2]
+    def _train_images(self, seed: int) -> tf.data.Dataset:
         files = tf.data.Dataset.from_tensor_slices((self.train_files, self.train_file_labels))
         files = files.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True).repeat()
-        # Each example's augmentation is seeded by its position in the stream: repeatable.
-        indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(), files))
+        return files.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
-        def load(index, item):
-            path, label = item
-            image = train_augment(self._decode(path), size,
-                                  tf.stack([tf.cast(seed, tf.int32), tf.cast(index, tf.int32)]))
-            return normalize(image, self.mean, self.std), label
+    def _val_images(self) -> tf.data.Dataset:
+        files = tf.data.Dataset.from_tensor_slices((self.val_files, self.val_file_labels))
+        return files.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE)
 
-        ds = indexed.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        return ds.batch(global_batch, drop_remainder=True).prefetch(2)
 
-    def validation(self, global_batch: int) -> tf.data.Dataset:
-        from owt_tf.data.preprocess import eval_preprocess
+class TfdsDataset(StreamDataset):
+    """`tfds:NAME`: a TFDS image-classification dataset already prepared in `data_dir`.
 
-        n = len(self.val_files)
-        pad = (-n) % global_batch
-        files = np.concatenate([self.val_files, self.val_files[:1].repeat(pad)])
-        labels = np.concatenate([self.val_file_labels, -np.ones(pad, np.int32)])
+    Nothing is downloaded unless `download=True`: an unprepared dataset is an error at once,
+    not after TFDS's network retries."""
 
-        def load(path, label):
-            image = eval_preprocess(self._decode(path)[None], self.image_shape[:2], self.mean,
-                                    self.std)[0]
-            return image, label
+    def __init__(self, tfds_name: str, image_shape: Tuple[int, int, int],
+                 data_dir: Optional[str] = None, download: bool = False):
+        import tensorflow_datasets as tfds
 
-        ds = tf.data.Dataset.from_tensor_slices((files, labels))
-        return ds.map(load, num_parallel_calls=tf.data.AUTOTUNE).batch(global_batch).prefetch(2)
+        self.name = f"tfds:{tfds_name}"
+        self.image_shape = tuple(image_shape)
+        self._channels()
+        try:
+            self.builder = tfds.builder(tfds_name, data_dir=data_dir)
+        except Exception as err:  # tfds raises its own DatasetNotFoundError and others
+            raise DatasetError(f"{self.name}: {err}".splitlines()[0]) from None
+        if not tf.io.gfile.exists(os.path.join(self.builder.data_dir, "dataset_info.json")):
+            if not download:
+                raise DatasetError(f"{self.name} is not prepared in {self.builder.data_dir}; "
+                                   "prepare it with tfds or pass --download")
+            self.builder.download_and_prepare()
+        info = self.builder.info
+        if "train" not in info.splits:
+            raise DatasetError(f"{self.name} has no train split")
+        self.val_split = next((s for s in ("validation", "test") if s in info.splits), None)
+        if self.val_split is None:
+            raise DatasetError(f"{self.name} has no validation or test split")
+        self.num_classes = info.features["label"].num_classes
+        self.num_train = info.splits["train"].num_examples
 
-    def sample_images(self, count: int = 8) -> np.ndarray:
-        size = self.image_shape[:2]
-        return np.stack([tf.image.resize(self._decode(p), size).numpy().astype(np.uint8)
-                         for p in self.train_files[:count]])
+    def _as_images(self, split: str, shuffle_seed: Optional[int]):
+        import tensorflow_datasets as tfds
+
+        read = tfds.ReadConfig(shuffle_seed=shuffle_seed) if shuffle_seed is not None else None
+        ds = self.builder.as_dataset(split=split, as_supervised=True,
+                                     shuffle_files=shuffle_seed is not None, read_config=read)
+        c = self.image_shape[-1]
+
+        def fix(image, label):
+            image = tf.image.grayscale_to_rgb(image) if image.shape[-1] == 1 and c == 3 else image
+            return image, tf.cast(label, tf.int32)
+
+        return ds.map(fix)
+
+    def _train_images(self, seed: int) -> tf.data.Dataset:
+        ds = self._as_images("train", seed)
+        return ds.shuffle(min(self.num_train, 10_000), seed=seed).repeat()
+
+    def _val_images(self) -> tf.data.Dataset:
+        return self._as_images(self.val_split, None)

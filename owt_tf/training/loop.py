@@ -50,7 +50,8 @@ class Trainer:
         k = config.devices
         self.devices = list(devices or setup_devices(k, config.allow_cpu_devices))[:k]
         probe = build_model(config.model, num_classes=10, dropout=config.dropout)
-        self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed)
+        self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed,
+                                    data_dir=config.data_dir, download=config.download)
         self.spec = build_model(config.model, self.dataset.num_classes, config.dropout)
         self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
                                      config.fc_batch, config.fc_exchange, config.loss,
