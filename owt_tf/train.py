@@ -15,11 +15,11 @@ from owt_tf.config import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS
 
 HELP = {
     "model": "network: alexnet (the paper's, 224x224) or alexnet_tiny (32x32, CPU-sized)",
-    "dataset": "digits (embedded default), folder:PATH (PATH/train/<label>/*, PATH/validation/"
+    "dataset": "digits (embedded default), imagenet2012 (with --manual-dir), folder:PATH (PATH/train/<label>/*, PATH/validation/"
                "<label>/*), tfds:NAME (a TFDS dataset prepared in --data-dir) or synthetic",
     "data_dir": "where prepared TFDS datasets live",
     "download": "let TFDS download and prepare a tfds:NAME dataset that is not prepared yet",
-    "manual_dir": "where manually downloaded archives live",
+    "manual_dir": "imagenet2012: the folder holding ILSVRC2012_img_train.tar and _val.tar",
     "devices": "K: number of workers (GPUs, else logical CPU devices)",
     "scheme": "single | data (pure data parallel) | owt-a | owt-b | owt-c (PAPER.md)",
     "batch_size": "examples per worker per step (B); the global batch is B*K",

@@ -1,3 +1,3 @@
 """Datasets and the input pipeline. The names are importable without TensorFlow."""
 
-DATASET_NAMES = ("digits", "synthetic")
+DATASET_NAMES = ("digits", "imagenet2012", "synthetic")

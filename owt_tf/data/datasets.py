@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -73,8 +73,12 @@ class ArrayDataset:
         return self.train_images[:count]
 
 
+IMAGENET_TARS = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar")
+
+
 def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Optional[int] = None,
-                 seed: int = 0, data_dir: Optional[str] = None, download: bool = False):
+                 seed: int = 0, data_dir: Optional[str] = None, download: bool = False,
+                 manual_dir: Optional[str] = None):
     """The dataset called `name`, with images of `image_shape` (H, W, C)."""
     if name == "digits":
         return _digits(image_shape)
@@ -84,6 +88,10 @@ def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Opti
         return FolderDataset(name[len("folder:"):], image_shape)
     if name.startswith("tfds:"):
         return TfdsDataset(name[len("tfds:"):], image_shape, data_dir, download)
+    if name == "imagenet2012":
+        # TFDS' own builder, from the ILSVRC tars the user downloaded (no network).
+        return TfdsDataset("imagenet2012", image_shape, data_dir, manual_dir=manual_dir,
+                           required_files=IMAGENET_TARS)
     raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
 
 
@@ -236,7 +244,8 @@ class TfdsDataset(StreamDataset):
     not after TFDS's network retries."""
 
     def __init__(self, tfds_name: str, image_shape: Tuple[int, int, int],
-                 data_dir: Optional[str] = None, download: bool = False):
+                 data_dir: Optional[str] = None, download: bool = False,
+                 manual_dir: Optional[str] = None, required_files: Sequence[str] = ()):
         import tensorflow_datasets as tfds
 
         self.name = f"tfds:{tfds_name}"
@@ -247,10 +256,20 @@ class TfdsDataset(StreamDataset):
         except Exception as err:  # tfds raises its own DatasetNotFoundError and others
             raise DatasetError(f"{self.name}: {err}".splitlines()[0]) from None
         if not tf.io.gfile.exists(os.path.join(self.builder.data_dir, "dataset_info.json")):
-            if not download:
+            if manual_dir:
+                for required in required_files:
+                    if not os.path.exists(os.path.join(manual_dir, required)):
+                        raise DatasetError(f"{self.name}: {required} is missing from "
+                                           f"--manual-dir {manual_dir}")
+                config = tfds.download.DownloadConfig(manual_dir=manual_dir)
+                self.builder.download_and_prepare(download_config=config)
+            elif download:
+                self.builder.download_and_prepare()
+            else:
+                hint = ("pass --manual-dir with the archives" if required_files
+                        else "prepare it with tfds or pass --download")
                 raise DatasetError(f"{self.name} is not prepared in {self.builder.data_dir}; "
-                                   "prepare it with tfds or pass --download")
-            self.builder.download_and_prepare()
+                                   f"{hint}")
         info = self.builder.info
         if "train" not in info.splits:
             raise DatasetError(f"{self.name} has no train split")

@@ -51,7 +51,8 @@ class Trainer:
         self.devices = list(devices or setup_devices(k, config.allow_cpu_devices))[:k]
         probe = build_model(config.model, num_classes=10, dropout=config.dropout)
         self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed,
-                                    data_dir=config.data_dir, download=config.download)
+                                    data_dir=config.data_dir, download=config.download,
+                                    manual_dir=config.manual_dir)
         self.spec = build_model(config.model, self.dataset.num_classes, config.dropout)
         self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
                                      config.fc_batch, config.fc_exchange, config.loss,
