@@ -79,3 +79,29 @@ def test_cli_rejects_bad_flags_in_one_line(tmp_path, args, flag):
     assert len(lines) == 1 and "error" in lines[0] and flag in lines[0], proc.stderr
     assert proc.stdout == ""
     assert set(os.listdir(tmp_path)) == before  # nothing written
+
+
+def test_cli_dataset_and_output_errors_in_one_line(tmp_path):
+    """Errors found once TensorFlow is up: still exit 2, one error line, nothing written."""
+    busy = tmp_path / "busy_export"
+    busy.mkdir()
+    (busy / "x").write_text("keep")
+    empty_label = tmp_path / "imgs"
+    (empty_label / "train" / "cat").mkdir(parents=True)
+    (empty_label / "validation").mkdir()
+    cases = [
+        (["--dataset", "imagenet2012"], "--manual-dir"),
+        (["--dataset", "imagenet2012", "--manual-dir", str(tmp_path)], "ILSVRC2012_img_train.tar"),
+        (["--dataset", f"folder:{empty_label}"], "has no images"),
+        (["--export-dir", str(busy)], "--export-dir"),
+        (["--dataset", "tfds:mnist", "--data-dir", str(tmp_path / "nothing")], "not prepared"),
+    ]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    for args, needle in cases:
+        proc = _cli(*args, "--logdir", str(work / "run"), cwd=work)
+        errors = [line for line in proc.stderr.splitlines() if "owt_tf.train: error" in line]
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert len(errors) == 1 and needle in errors[0], (args, proc.stderr[-2000:])
+        assert not (work / "run").exists() and os.listdir(work) == []
+    assert (busy / "x").read_text() == "keep"
