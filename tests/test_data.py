@@ -58,3 +58,11 @@ def test_unknown_dataset_and_too_small_dataset():
         load_dataset("cifar-12", (32, 32, 3))
     with pytest.raises(DatasetError, match="fewer than one global batch"):
         load_dataset("digits", (32, 32, 3)).train(4096, seed=0)
+
+
+def test_resumed_digits_stream_starts_at_the_right_batch():
+    ds = load_dataset("digits", (32, 32, 3))
+    from_start = [y.numpy() for _, y in ds.train(32, seed=1).take(5)]
+    resumed = [y.numpy() for _, y in ds.train(32, seed=1, start_step=3).take(2)]
+    np.testing.assert_array_equal(resumed[0], from_start[3])
+    np.testing.assert_array_equal(resumed[1], from_start[4])

@@ -77,3 +77,11 @@ def test_train_cli_on_a_folder(tmp_path):
                               f"folder:{tmp_path / 'nope'}"], capture_output=True, text=True,
                              env=env, timeout=120)
     assert missing.returncode == 2 and "--dataset" in missing.stderr
+
+
+def test_resumed_stream_starts_at_the_right_batch(tmp_path):
+    ds = load_dataset(f"folder:{_write_tree(tmp_path)}", (32, 32, 3))
+    from_start = [x.numpy() for x, _ in ds.train(6, seed=3).take(4)]
+    resumed = [x.numpy() for x, _ in ds.train(6, seed=3, start_step=2).take(2)]
+    np.testing.assert_array_equal(resumed[0], from_start[2])
+    np.testing.assert_array_equal(resumed[1], from_start[3])

@@ -41,6 +41,8 @@ def test_demo_configuration_learns_digits(devices, tmp_path):
     trainer = Trainer(RunConfig(steps=300, eval_every=0, logdir=str(tmp_path)), devices=devices[:2])
     summary = trainer.fit(log=lambda line: None, progress=False)
     assert summary["val_top1_error"] < 0.10
+    assert (tmp_path / "checkpoints" / "ckpt-300.index").exists()
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
     assert summary["bytes_per_step"] > 0
     assert np.isfinite(summary["train_loss"])
 

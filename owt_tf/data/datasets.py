@@ -42,14 +42,15 @@ class ArrayDataset:
     mean: Tuple[float, ...]
     std: Tuple[float, ...]
 
-    def train(self, global_batch: int, seed: int) -> tf.data.Dataset:
-        """Endless shuffled global batches (a new order each epoch, fixed by `seed`)."""
+    def train(self, global_batch: int, seed: int, start_step: int = 0) -> tf.data.Dataset:
+        """Endless shuffled global batches (a new order each epoch, fixed by `seed`), from the
+        batch of step `start_step` + 1 on (a resumed run continues where it stopped)."""
         if len(self.train_labels) < global_batch:
             raise DatasetError(f"{self.name}: {len(self.train_labels)} training examples is "
                                f"fewer than one global batch of {global_batch}")
         ds = tf.data.Dataset.from_tensor_slices((self.train_images, self.train_labels))
         ds = ds.shuffle(len(self.train_labels), seed=seed, reshuffle_each_iteration=True)
-        ds = ds.repeat().batch(global_batch, drop_remainder=True)
+        ds = ds.repeat().batch(global_batch, drop_remainder=True).skip(start_step)
         return ds.map(self._prepare, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
 
     def validation(self, global_batch: int) -> tf.data.Dataset:
@@ -130,8 +131,9 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 class StreamDataset:
     """Images streamed and decoded by tf.data, AlexNet-augmented for training.
 
-    Subclasses provide `_train_images(seed)` (endless, shuffled (uint8 image, label) pairs)
-    and `_val_images()` (one pass), plus num_classes, num_train and name."""
+    Subclasses provide `_train_images(seed, skip)` (endless, shuffled (uint8 image, label)
+    pairs, the first `skip` dropped before decoding) and `_val_images()` (one pass), plus
+    num_classes, num_train and name."""
 
     name: str
     num_classes: int
@@ -145,7 +147,9 @@ class StreamDataset:
         c = self.image_shape[-1]
         self.mean, self.std = tuple(self.mean[:c]), tuple(self.std[:c])
 
-    def train(self, global_batch: int, seed: int) -> tf.data.Dataset:
+    def train(self, global_batch: int, seed: int, start_step: int = 0) -> tf.data.Dataset:
+        """Endless augmented global batches, from the batch of step `start_step` + 1 on.
+        Skipped examples are dropped before they are read or decoded."""
         from owt_tf.data.preprocess import train_augment
 
         if self.num_train < global_batch:
@@ -153,7 +157,9 @@ class StreamDataset:
                                f"one global batch of {global_batch}")
         size = self.image_shape[:2]
         # Each example's augmentation is seeded by its position in the stream: repeatable.
-        indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(), self._train_images(seed)))
+        skip = start_step * global_batch
+        indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(skip),
+                                       self._train_images(seed, skip)))
 
         def augment(index, item):
             image, label = item
@@ -184,7 +190,7 @@ class StreamDataset:
     def sample_images(self, count: int = 8) -> np.ndarray:
         size = self.image_shape[:2]
         return np.stack([tf.cast(tf.image.resize(img, size), tf.uint8).numpy()
-                         for img, _ in self._train_images(0).take(count)])
+                         for img, _ in self._train_images(0, 0).take(count)])
 
 
 class FolderDataset(StreamDataset):
@@ -227,9 +233,10 @@ class FolderDataset(StreamDataset):
         image.set_shape([None, None, self.image_shape[-1]])
         return image, label
 
-    def _train_images(self, seed: int) -> tf.data.Dataset:
+    def _train_images(self, seed: int, skip: int) -> tf.data.Dataset:
         files = tf.data.Dataset.from_tensor_slices((self.train_files, self.train_file_labels))
-        files = files.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True).repeat()
+        files = files.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True)
+        files = files.repeat().skip(skip)
         return files.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def _val_images(self) -> tf.data.Dataset:
@@ -279,23 +286,26 @@ class TfdsDataset(StreamDataset):
         self.num_classes = info.features["label"].num_classes
         self.num_train = info.splits["train"].num_examples
 
-    def _as_images(self, split: str, shuffle_seed: Optional[int]):
+    def _encoded(self, split: str, shuffle_seed: Optional[int]) -> tf.data.Dataset:
+        """(encoded image bytes, label): decoding waits until after any skip."""
         import tensorflow_datasets as tfds
 
         read = tfds.ReadConfig(shuffle_seed=shuffle_seed) if shuffle_seed is not None else None
-        ds = self.builder.as_dataset(split=split, as_supervised=True,
-                                     shuffle_files=shuffle_seed is not None, read_config=read)
+        return self.builder.as_dataset(split=split, as_supervised=True,
+                                       shuffle_files=shuffle_seed is not None, read_config=read,
+                                       decoders={"image": tfds.decode.SkipDecoding()})
+
+    def _decode(self, encoded, label):
         c = self.image_shape[-1]
+        image = tf.io.decode_image(encoded, channels=c, expand_animations=False)
+        image.set_shape([None, None, c])
+        return image, tf.cast(label, tf.int32)
 
-        def fix(image, label):
-            image = tf.image.grayscale_to_rgb(image) if image.shape[-1] == 1 and c == 3 else image
-            return image, tf.cast(label, tf.int32)
-
-        return ds.map(fix)
-
-    def _train_images(self, seed: int) -> tf.data.Dataset:
-        ds = self._as_images("train", seed)
-        return ds.shuffle(min(self.num_train, 10_000), seed=seed).repeat()
+    def _train_images(self, seed: int, skip: int) -> tf.data.Dataset:
+        ds = self._encoded("train", seed)
+        ds = ds.shuffle(min(self.num_train, 10_000), seed=seed).repeat().skip(skip)
+        return ds.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
     def _val_images(self) -> tf.data.Dataset:
-        return self._as_images(self.val_split, None)
+        return self._encoded(self.val_split, None).map(self._decode,
+                                                       num_parallel_calls=tf.data.AUTOTUNE)

@@ -71,8 +71,10 @@ class Trainer:
         # A checkpoint from another K or scheme carries its own rates; this run's config rules.
         self.optimizer.set_learning_rates(config.conv_lr, config.fc_lr)
         strategy = self.hybrid.strategy
-        # The input order is fixed by the seed: skipping the steps done restores the position.
-        train = self.dataset.train(config.global_batch_size, config.seed).skip(int(self.step))
+        # The input order is fixed by the seed: starting after the steps done restores the
+        # position (streamed datasets skip those examples before reading them).
+        train = self.dataset.train(config.global_batch_size, config.seed,
+                                   start_step=int(self.step))
         self._train_batches = iter(strategy.experimental_distribute_dataset(train))
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
