@@ -38,20 +38,28 @@ def _trunk(name, input_shape, filters, first_kernel, first_stride, first_pad, no
     return keras.Sequential(layers, name=name)
 
 
+def _alexnet_family(name: str, side: int, filters, conv1: tuple, fc_width: int,
+                    num_classes: int, dropout: float, response_norm: bool) -> ModelSpec:
+    """An AlexNet-shaped spec: `conv1` is (kernel, stride, padding) of the first conv."""
+    shape = (side, side, 3)
+    kernel, stride, pad = conv1
+    return ModelSpec(
+        name=name,
+        input_shape=shape,
+        build_trunk=lambda: _trunk(f"{name}_trunk", shape, filters, kernel, stride, pad,
+                                   response_norm),
+        head=HeadSpec(hidden=(fc_width, fc_width), num_classes=num_classes, dropout=dropout),
+    )
+
+
 def alexnet(num_classes: int = 1000, dropout: float = 0.5, response_norm: bool = True) -> ModelSpec:
     """One-tower AlexNet (PAPER.md's table; conv4 has 256 filters as in cuda-convnet2).
 
     224x224x3 -> conv1 11x11/4 pad 2 (55) -> pool (27) -> conv2 (27) -> pool (13) ->
     conv3..5 (13) -> pool (6): 6*6*256 = 9216 features into fc6, fc7 (4096) and fc8.
     """
-    shape = (224, 224, 3)
-    return ModelSpec(
-        name="alexnet",
-        input_shape=shape,
-        build_trunk=lambda: _trunk("alexnet_trunk", shape, (64, 192, 384, 256, 256), 11, 4, 2,
-                                   response_norm),
-        head=HeadSpec(hidden=(4096, 4096), num_classes=num_classes, dropout=dropout),
-    )
+    return _alexnet_family("alexnet", 224, (64, 192, 384, 256, 256), (11, 4, 2), 4096,
+                           num_classes, dropout, response_norm)
 
 
 def alexnet_tiny(num_classes: int = 10, dropout: float = 0.5, response_norm: bool = True) -> ModelSpec:
@@ -60,11 +68,5 @@ def alexnet_tiny(num_classes: int = 10, dropout: float = 0.5, response_norm: boo
     32 -> conv1 5x5 (32) -> pool (15) -> conv2 (15) -> pool (7) -> conv3..5 (7) -> pool (3):
     3*3*32 = 288 features into the head.
     """
-    shape = (32, 32, 3)
-    return ModelSpec(
-        name="alexnet_tiny",
-        input_shape=shape,
-        build_trunk=lambda: _trunk("alexnet_tiny_trunk", shape, (16, 32, 48, 32, 32), 5, 1, 0,
-                                   response_norm),
-        head=HeadSpec(hidden=(256, 256), num_classes=num_classes, dropout=dropout),
-    )
+    return _alexnet_family("alexnet_tiny", 32, (16, 32, 48, 32, 32), (5, 1, 0), 256,
+                           num_classes, dropout, response_norm)
