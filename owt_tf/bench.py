@@ -97,9 +97,7 @@ class _Config:
         self.global_batch = args.batch_size * k
         run_k = 1 if scheme == "single" else k
         self.batch = self.global_batch // run_k
-        spec = build_model(args.model, args.classes, dropout=0.5)
-        if args.image_size:
-            spec = dataclasses.replace(spec, input_shape=(args.image_size, args.image_size, 3))
+        spec = build_model(args.model, args.classes, dropout=0.5, image_size=args.image_size)
         fc_batch = args.fc_batch if scheme in ("owt-b", "owt-c") else "global"
         self.fc_batch = fc_batch
         self.hybrid = HybridStrategy(devices[:run_k], scheme, self.batch, fc_batch,
@@ -112,7 +110,8 @@ class _Config:
         images = (np.zeros(shape, np.float32) if args.count_only
                   else rng.normal(size=shape).astype(np.float32))
         labels = rng.integers(0, args.classes, size=(self.global_batch,)).astype(np.int32)
-        self.inputs = [self._distribute(images), self._distribute(labels)]
+        self.inputs = [self.hybrid.distribute_global_batch(images),
+                       self.hybrid.distribute_global_batch(labels)]
         seed = tf.constant([0, 1], tf.int32)
 
         @tf.function
@@ -120,17 +119,6 @@ class _Config:
             return self.hybrid.train_step(self.model, self.optim, x, y, seed)
 
         self.step = step
-
-    def _distribute(self, array):
-        import tensorflow as tf
-
-        b = self.batch
-
-        def rows(ctx):
-            k = ctx.replica_id_in_sync_group
-            return tf.constant(array[k * b:(k + 1) * b])
-
-        return self.hybrid.strategy.experimental_distribute_values_from_function(rows)
 
     def trace(self) -> None:
         self.step.get_concrete_function(*self.inputs)

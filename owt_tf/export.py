@@ -9,13 +9,12 @@ is refused unless `--overwrite`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import sys
 import tempfile
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 EXPORT_SIGNATURE = "serving_default"
 

@@ -1,14 +1,13 @@
 """Runs HybridStrategy steps on explicit global batches and compares with tests/reference.py."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 import numpy as np
 import tensorflow as tf
 
 from owt_tf.models import alexnet_tiny
 from owt_tf.parallel import HybridStrategy
-from owt_tf.parallel.shards import assemble
 from reference import ReferenceModel, rel_err
 
 # Small enough that 3 steps stay in a smooth region: on random labels larger rates amplify
@@ -16,36 +15,10 @@ from reference import ReferenceModel, rel_err
 CONV_LR, FC_LR, MOMENTUM, WD = 0.01, 0.01, 0.9, 5e-4
 
 
-def distribute_rows(strategy, array: np.ndarray, batch: int):
-    """Replica k gets rows k*batch ... (k+1)*batch-1 of the global batch."""
-    def rows(ctx):
-        k = ctx.replica_id_in_sync_group
-        return tf.constant(array[k * batch:(k + 1) * batch])
-
-    return strategy.experimental_distribute_values_from_function(rows)
-
-
 def random_batches(steps: int, global_batch: int, classes: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return [(rng.normal(size=(global_batch, 32, 32, 3)).astype(np.float32),
              rng.integers(0, classes, size=(global_batch,)).astype(np.int32)) for _ in range(steps)]
-
-
-def assembled_fc_grads(hybrid: HybridStrategy, model, per_replica) -> List[List[np.ndarray]]:
-    """Per FC update: full-layer gradients [k0, b0, k1, b1, ...] joined from the shards."""
-    k = hybrid.num_replicas
-    updates = []
-    for u in range(len(per_replica[0])):
-        grads = []
-        for li, layer in enumerate(model.head.layers):
-            kern = [np.asarray(per_replica[r][u][2 * li]) for r in range(k)]
-            bias = [np.asarray(per_replica[r][u][2 * li + 1]) for r in range(k)]
-            if hybrid.plan.model_parallel:
-                grads += list(assemble(layer, kern, bias))
-            else:  # mirrored FC layers: each replica holds its part of the sum
-                grads += [sum(kern), sum(bias)]
-        updates.append(grads)
-    return updates
 
 
 def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: str = "global",
@@ -65,7 +38,7 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
 
     worst = {"loss": 0.0, "trunk_grads": 0.0, "fc_grads": 0.0, "weights": 0.0}
     for x, y in random_batches(steps, k * batch, classes):
-        out = step(distribute_rows(hybrid.strategy, x, batch), distribute_rows(hybrid.strategy, y, batch))
+        out = step(hybrid.distribute_global_batch(x), hybrid.distribute_global_batch(y))
         expect = ref.step(x, y, rounds, fc_batch, CONV_LR, FC_LR, MOMENTUM, WD)
         loss = float(out["loss_sum"]) / int(out["count"])
         worst["loss"] = max(worst["loss"], abs(loss - expect["loss"]) / abs(expect["loss"]))
@@ -73,7 +46,7 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
                  for i in range(len(expect["trunk_grads"]))]
         for got, want in zip(trunk, expect["trunk_grads"]):
             worst["trunk_grads"] = max(worst["trunk_grads"], rel_err(got, want))
-        fc = assembled_fc_grads(hybrid, model, out["fc_grads"])
+        fc = hybrid.assemble_fc_grads(model, out)
         assert len(fc) == len(expect["fc_grads"]), "number of FC updates per step differs"
         for got_update, want_update in zip(fc, expect["fc_grads"]):
             for got, want in zip(got_update, want_update):

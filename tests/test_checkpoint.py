@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 
 from owt_tf.config import RunConfig
 from owt_tf.training.loop import Trainer

@@ -66,3 +66,13 @@ def test_resumed_digits_stream_starts_at_the_right_batch():
     resumed = [y.numpy() for _, y in ds.train(32, seed=1, start_step=3).take(2)]
     np.testing.assert_array_equal(resumed[0], from_start[3])
     np.testing.assert_array_equal(resumed[1], from_start[4])
+
+
+def test_distribute_global_batch_gives_replica_k_its_rows(devices):
+    from owt_tf.parallel import HybridStrategy
+
+    hybrid = HybridStrategy(devices[:4], "owt-a", 3)
+    parts = hybrid.strategy.experimental_local_results(
+        hybrid.distribute_global_batch(np.arange(12)))
+    for k, part in enumerate(parts):
+        np.testing.assert_array_equal(part.numpy(), np.arange(3 * k, 3 * k + 3))

@@ -64,8 +64,7 @@ def test_reference_catches_a_wrong_gradient(devices, monkeypatch):
     real = schemes.run_fc_rounds
 
     def k_times_too_large(plan, *args, **kwargs):
-        wrong = schemes.SchemePlan(plan.scheme, plan.num_replicas, plan.batch_size, plan.fc_batch)
-        result = real(wrong, *args, **kwargs)
+        result = real(plan, *args, **kwargs)
         result.activation_grad = result.activation_grad * plan.num_replicas
         return result
 

@@ -1,8 +1,6 @@
 """imagenet2012 through TFDS' real builder, from a tiny archive in the real ILSVRC layout, offline."""
 import io
 import os
-import subprocess
-import sys
 import tarfile
 
 import numpy as np

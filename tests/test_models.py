@@ -68,3 +68,10 @@ def test_initial_weights_depend_on_the_seed_only():
 def test_unknown_model_is_refused():
     with pytest.raises(KeyError, match="unknown model"):
         build_model("resnet", 10)
+
+
+def test_image_size_builds_the_trunk_at_that_size():
+    spec = build_model("alexnet_tiny", 10, image_size=48)
+    trunk = spec.build_trunk()
+    assert spec.input_shape == (48, 48, 3) and trunk.input_shape == (None, 48, 48, 3)
+    assert trunk.output_shape == (None, 5 * 5 * 32)  # pools: 48 -> 23 -> 11 -> 5

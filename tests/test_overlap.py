@@ -7,7 +7,7 @@ executor is free to run round r's transfer while round r-1's FC layers compute.
 import pytest
 import tensorflow as tf
 
-from engine_harness import distribute_rows, random_batches
+from engine_harness import random_batches
 from owt_tf.models import alexnet_tiny
 from owt_tf.parallel import HybridStrategy
 
@@ -19,8 +19,8 @@ def _graph_ops(hybrid, model, optim, batch):
     def step(x, y):
         return hybrid.train_step(model, optim, x, y, None)
 
-    concrete = step.get_concrete_function(distribute_rows(hybrid.strategy, x, batch),
-                                          distribute_rows(hybrid.strategy, y, batch))
+    concrete = step.get_concrete_function(hybrid.distribute_global_batch(x),
+                                          hybrid.distribute_global_batch(y))
     return {op.name: op for op in concrete.graph.get_operations()}
 
 

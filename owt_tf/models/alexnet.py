@@ -52,21 +52,23 @@ def _alexnet_family(name: str, side: int, filters, conv1: tuple, fc_width: int,
     )
 
 
-def alexnet(num_classes: int = 1000, dropout: float = 0.5, response_norm: bool = True) -> ModelSpec:
+def alexnet(num_classes: int = 1000, dropout: float = 0.5, response_norm: bool = True,
+            image_size: int = 224) -> ModelSpec:
     """One-tower AlexNet (PAPER.md's table; conv4 has 256 filters as in cuda-convnet2).
 
     224x224x3 -> conv1 11x11/4 pad 2 (55) -> pool (27) -> conv2 (27) -> pool (13) ->
     conv3..5 (13) -> pool (6): 6*6*256 = 9216 features into fc6, fc7 (4096) and fc8.
     """
-    return _alexnet_family("alexnet", 224, (64, 192, 384, 256, 256), (11, 4, 2), 4096,
+    return _alexnet_family("alexnet", image_size, (64, 192, 384, 256, 256), (11, 4, 2), 4096,
                            num_classes, dropout, response_norm)
 
 
-def alexnet_tiny(num_classes: int = 10, dropout: float = 0.5, response_norm: bool = True) -> ModelSpec:
+def alexnet_tiny(num_classes: int = 10, dropout: float = 0.5, response_norm: bool = True,
+                 image_size: int = 32) -> ModelSpec:
     """AlexNet's shape for a 2-core CPU: 32x32x3 input, 5 convs (16-48 filters), FC 256, 256.
 
     32 -> conv1 5x5 (32) -> pool (15) -> conv2 (15) -> pool (7) -> conv3..5 (7) -> pool (3):
     3*3*32 = 288 features into the head.
     """
-    return _alexnet_family("alexnet_tiny", 32, (16, 32, 48, 32, 32), (5, 1, 0), 256,
+    return _alexnet_family("alexnet_tiny", image_size, (16, 32, 48, 32, 32), (5, 1, 0), 256,
                            num_classes, dropout, response_norm)

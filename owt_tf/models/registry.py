@@ -10,9 +10,11 @@ MODEL_BUILDERS = {
 MODEL_NAMES = tuple(MODEL_BUILDERS)
 
 
-def build_model(name: str, num_classes: int, dropout: float = 0.5):
-    """The ModelSpec registered under `name`."""
+def build_model(name: str, num_classes: int, dropout: float = 0.5, image_size=None):
+    """The ModelSpec registered under `name` (at `image_size` x `image_size` when given)."""
     if name not in MODEL_BUILDERS:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
     module, function = MODEL_BUILDERS[name].split(":")
-    return getattr(importlib.import_module(module), function)(num_classes=num_classes, dropout=dropout)
+    sized = {"image_size": image_size} if image_size else {}
+    return getattr(importlib.import_module(module), function)(num_classes=num_classes,
+                                                              dropout=dropout, **sized)

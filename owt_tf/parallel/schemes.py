@@ -25,9 +25,6 @@ import tensorflow as tf
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.shards import ShardedHead
 
-HYBRID_SCHEMES = ("single", "owt-a", "owt-b", "owt-c")
-
-
 @dataclasses.dataclass(frozen=True)
 class SchemePlan:
     """The rounds of one step for `scheme` at K replicas of `batch_size` rows each."""

@@ -59,16 +59,20 @@ class ShardedDense(tf.Module):
         if split == ROW and (self.in_dim % k or self.out_dim % k):
             raise ValueError(f"{name}: row split needs in ({self.in_dim}) and out "
                              f"({self.out_dim}) divisible by {k}")
-        kernel = np.pad(kernel, [(0, 0), (0, self.padded_out - self.out_dim)])
-        bias = np.pad(bias, [(0, self.padded_out - self.out_dim)])
-        kernel_parts = np.split(kernel, k, axis=1 if split == COL else 0)
-        bias_parts = np.split(bias, k)
+        kernel_parts, bias_parts = self.split_full(kernel, bias)
         self.kernels: List[tf.Variable] = []
         self.biases: List[tf.Variable] = []
         for i, device in enumerate(devices):
             with tf.device(device):
                 self.kernels.append(tf.Variable(kernel_parts[i], name=f"{name}_kernel_{i}"))
                 self.biases.append(tf.Variable(bias_parts[i], name=f"{name}_bias_{i}"))
+
+    def split_full(self, kernel: np.ndarray, bias: np.ndarray) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+        """A whole (kernel, bias) -- weights or momenta -- cut into this layer's shards, padded."""
+        pad = self.padded_out - self.out_dim
+        kernel = np.pad(kernel, [(0, 0), (0, pad)])
+        return (np.split(kernel, self.num_shards, axis=1 if self.split == COL else 0),
+                np.split(np.pad(bias, [(0, pad)]), self.num_shards))
 
     def shard_variables(self, k: int) -> List[tf.Variable]:
         return [self.kernels[k], self.biases[k]]

@@ -112,6 +112,17 @@ class HybridStrategy:
                          weight_decay, coll.FC_GRAD)
         return HybridOptimizer(trunk, fc, None)
 
+    def distribute_global_batch(self, array) -> "tf.distribute.DistributedValues":
+        """A global batch (numpy or tensor) split by rows: replica k gets rows k*B ... (k+1)*B-1,
+        B = rows / K (DESIGN.md's run contract; experimental_distribute_dataset does the same)."""
+        rows = int(array.shape[0]) // self.num_replicas
+
+        def local(ctx):
+            k = ctx.replica_id_in_sync_group
+            return tf.convert_to_tensor(array[k * rows:(k + 1) * rows])
+
+        return self.strategy.experimental_distribute_values_from_function(local)
+
     # -- steps (call inside a tf.function) ------------------------------------------------
     def train_step(self, model: DistributedModel, optim: HybridOptimizer, images, labels,
                    seed: Optional[tf.Tensor] = None, with_grads: bool = False) -> Dict[str, tf.Tensor]:
@@ -133,23 +144,30 @@ class HybridStrategy:
                                 args=(images, labels))
         return self._merge_replica_outputs(out)
 
-    def assemble_grads(self, model: DistributedModel, out) -> Dict[str, np.ndarray]:
-        """Whole-model gradients from a train_step(with_grads=True) result, by variable name.
-
-        Trunk: the replicas' parts summed. FC: the last FC update's shards joined (mirrored
-        FC layers under 'data': summed)."""
-        grads = {}
-        for i, var in enumerate(model.trunk.trainable_variables):
-            grads[f"trunk/{var.path}"] = sum(np.asarray(g[i]) for g in out["trunk_grads"])
+    def assemble_fc_grads(self, model: DistributedModel, out) -> List[List[np.ndarray]]:
+        """Per FC update of a train_step(with_grads=True): whole-layer gradients
+        [kernel0, bias0, kernel1, ...], shards joined (mirrored layers under 'data': the
+        replicas' parts summed)."""
         per_replica = out["fc_grads"]
-        for li, layer in enumerate(model.head.layers):
-            kern = [np.asarray(per_replica[r][-1][2 * li]) for r in range(len(per_replica))]
-            bias = [np.asarray(per_replica[r][-1][2 * li + 1]) for r in range(len(per_replica))]
-            if self.plan.model_parallel:
-                kernel, bias_full = assemble(layer, kern, bias)
-            else:
-                kernel, bias_full = sum(kern), sum(bias)
-            grads[f"fc{li}/kernel"], grads[f"fc{li}/bias"] = kernel, bias_full
+        updates = []
+        for u in range(len(per_replica[0])):
+            grads = []
+            for li, layer in enumerate(model.head.layers):
+                kern = [np.asarray(r[u][2 * li]) for r in per_replica]
+                bias = [np.asarray(r[u][2 * li + 1]) for r in per_replica]
+                grads += (list(assemble(layer, kern, bias)) if self.plan.model_parallel
+                          else [sum(kern), sum(bias)])
+            updates.append(grads)
+        return updates
+
+    def assemble_grads(self, model: DistributedModel, out) -> Dict[str, np.ndarray]:
+        """Whole-model gradients by variable name: trunk parts summed over replicas, and the
+        step's last FC update."""
+        grads = {f"trunk/{var.path}": sum(np.asarray(g[i]) for g in out["trunk_grads"])
+                 for i, var in enumerate(model.trunk.trainable_variables)}
+        last = self.assemble_fc_grads(model, out)[-1]
+        for li in range(len(model.head.layers)):
+            grads[f"fc{li}/kernel"], grads[f"fc{li}/bias"] = last[2 * li], last[2 * li + 1]
         return grads
 
     def predict_step(self, model: DistributedModel, images) -> tf.Tensor:

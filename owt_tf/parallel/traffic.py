@@ -2,8 +2,9 @@
 
 Written from the scheme definitions (PAPER.md), not from the engine's code, so that a test
 can hold the ledger (owt_tf.parallel.collectives, filled while a real step is traced) to
-it exactly; the planner prices schemes with it. Ring costs per worker, fp32 activations,
-int32 labels: all-gather (K-1)*block, all-reduce 2(K-1)/K*T, reduce-scatter (K-1)/K*T.
+it exactly; the planner prices schemes with it. Both share only the ring cost of one
+collective (collectives.*_cost); which collectives a step issues, on what sizes, is
+written out here independently. fp32 activations, int32 labels.
 """
 from __future__ import annotations
 
@@ -36,16 +37,9 @@ class NetworkShape:
         return total
 
 
-def _gather(block_bytes, k) -> Fraction:
-    return Fraction((k - 1) * block_bytes)
-
-
-def _reduce(total_bytes, k) -> Fraction:
-    return Fraction(2 * (k - 1) * total_bytes, k)
-
-
-def _scatter(total_bytes, k) -> Fraction:
-    return Fraction((k - 1) * total_bytes, k)
+_gather = coll.all_gather_cost
+_reduce = coll.all_reduce_cost
+_scatter = coll.reduce_scatter_cost
 
 
 def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable  # _serialize_to_tensors API
 
-from owt_tf.parallel.shards import COL, ShardedDense, assemble
+from owt_tf.parallel.shards import ShardedDense, assemble
 
 CONFIG_FILE = "run_config.json"
 
@@ -72,20 +72,10 @@ class FcState(trackable.Trackable):
                     raise CheckpointMismatch(
                         f"FC layer {i} was saved as {kernel.shape}, this model has "
                         f"{(layer.in_dim, layer.out_dim)}")
-                for var, part in zip(kernels, split(layer, kernel, axis_kernel=True)):
-                    ops.append(var.assign(part))
-                for var, part in zip(biases, split(layer, bias, axis_kernel=False)):
+                kernel_parts, bias_parts = layer.split_full(kernel, bias)
+                for var, part in zip(kernels + biases, kernel_parts + bias_parts):
                     ops.append(var.assign(part))
         return tf.group(ops)
-
-
-def split(layer: ShardedDense, full: np.ndarray, axis_kernel: bool) -> List[np.ndarray]:
-    """A full kernel (or bias) cut into `layer`'s shards, padding added back."""
-    pad = layer.padded_out - layer.out_dim
-    if axis_kernel:
-        full = np.pad(full, [(0, 0), (0, pad)])
-        return np.split(full, layer.num_shards, axis=1 if layer.split == COL else 0)
-    return np.split(np.pad(full, [(0, pad)]), layer.num_shards)
 
 
 class RunCheckpoints:

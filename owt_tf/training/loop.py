@@ -70,6 +70,7 @@ class Trainer:
         self.resumed_from = self.checkpoints.restore_latest()
         # A checkpoint from another K or scheme carries its own rates; this run's config rules.
         self.optimizer.set_learning_rates(config.conv_lr, config.fc_lr)
+        self._lr_factor = 1.0
         strategy = self.hybrid.strategy
         # The input order is fixed by the seed: starting after the steps done restores the
         # position (streamed datasets skip those examples before reading them).
@@ -130,10 +131,7 @@ class Trainer:
         for start in range(0, len(padded), batch):
             x = eval_preprocess(tf.constant(padded[start:start + batch]), size,
                                 self.dataset.mean, self.dataset.std)
-            dist = self.hybrid.strategy.experimental_distribute_values_from_function(
-                lambda ctx, x=x: x[ctx.replica_id_in_sync_group * self.config.batch_size:
-                                   (ctx.replica_id_in_sync_group + 1) * self.config.batch_size])
-            out.append(self._predict_fn(dist).numpy())
+            out.append(self._predict_fn(self.hybrid.distribute_global_batch(x)).numpy())
         return np.concatenate(out)[:n]
 
     def fit(self, steps: Optional[int] = None, log: Callable[[str], None] = print,
@@ -204,7 +202,9 @@ class Trainer:
         histograms = bool(config.histogram_every) and i % config.histogram_every == 0
         steps_per_epoch = self.dataset.num_train / config.global_batch_size
         factor = lr_factor(config, i, steps_per_epoch, steps)
-        self.optimizer.set_learning_rates(config.conv_lr * factor, config.fc_lr * factor)
+        if factor != self._lr_factor:  # no variable writes per step under a constant rate
+            self.optimizer.set_learning_rates(config.conv_lr * factor, config.fc_lr * factor)
+            self._lr_factor = factor
         summaries.before_step(i)
         m = self.train_step(with_grads=histograms)
         summaries.after_step(i)

@@ -5,7 +5,6 @@ function records replica 0 only. Watch a run with `tensorboard --logdir runs`.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Dict, Iterable, Optional, Tuple
 
