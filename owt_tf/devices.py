@@ -33,10 +33,11 @@ def setup_devices(k: int, allow_cpu_devices: bool = True) -> List[str]:
         )
     if not gpus and not allow_cpu_devices:
         raise DeviceError(f"{k} GPUs requested but none found and logical CPUs were not allowed")
-    return _logical_cpus(k)
+    return logical_cpu_devices(k)
 
 
-def _logical_cpus(k: int) -> List[str]:
+def logical_cpu_devices(k: int) -> List[str]:
+    """K logical CPU devices carved out of the host CPU (before TensorFlow initializes)."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     existing = tf.config.get_logical_device_configuration(cpu)
     if existing is None or len(existing) < k:

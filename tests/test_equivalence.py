@@ -6,6 +6,7 @@ The same runs check the byte ledger against the closed-form traffic formula, exa
 import pytest
 
 from engine_harness import compare_with_reference
+from owt_tf import plan
 from owt_tf.parallel import traffic
 
 TOL = 1e-5
@@ -44,6 +45,10 @@ def test_scheme_matches_single_device_reference(devices, scheme, k, batch, fc_ba
         assert ledger.by_purpose.get(purpose, 0) == nbytes, (purpose, ledger.summary(), expected)
     if k > 1:
         assert ledger.total > 0
+    # the planner prices the same bytes, from the Keras model it reads itself
+    net = plan.network_cost("alexnet_tiny", spec.head.num_classes)
+    predicted = plan.predict(net, plan.preset("k20-pcie"), scheme, k, batch, fc_batch, fc_exchange, loss)
+    assert predicted.bytes_per_step == float(ledger.total)
 
 
 JIT_CASES = [("owt-a", 2, "global", "gather"), ("owt-b", 4, "worker", "colrow"), ("data", 2, "global", "gather")]

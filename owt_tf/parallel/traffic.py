@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.shards import COL, ROW, padded, split_plan
@@ -42,49 +42,73 @@ _reduce = coll.all_reduce_cost
 _scatter = coll.reduce_scatter_cost
 
 
-def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,
-                 fc_exchange: str = "gather", loss: str = "gathered") -> Dict[str, Fraction]:
-    """Bytes per worker per step by purpose (keys of collectives.PURPOSES)."""
-    out = {p: Fraction(0) for p in coll.PURPOSES}
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """`calls` launches of one collective, `nbytes` sent per worker for all of them together."""
+
+    purpose: str
+    nbytes: Fraction
+    calls: int
+
+
+def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
+                   fc_exchange: str = "gather", loss: str = "gathered") -> List[Transfer]:
+    """Every collective one worker takes part in during a step, grouped by purpose.
+
+    Conv (and, for `data`, FC) gradients count as one launch each: they are packed into one
+    all-reduce. Forward and backward collectives count separately.
+    """
     if k == 1:
-        return out
-    out[coll.CONV_GRAD] = _reduce(net.trunk_params * F32, k)
+        return []
+    out = [Transfer(coll.CONV_GRAD, _reduce(net.trunk_params * F32, k), 1)]
     if scheme == "data":
-        out[coll.FC_GRAD] = _reduce(net.fc_params * F32, k)
-        return out
+        return out + [Transfer(coll.FC_GRAD, _reduce(net.fc_params * F32, k), 1)]
     b, d = batch_size, net.features
-    out[coll.LABELS] = _gather(b * I32, k)
+    out.append(Transfer(coll.LABELS, _gather(b * I32, k), 1))
     if scheme in ("owt-a", "single"):
         rounds, n = 1, k * b
         # forward: gather every worker's block; backward: reduce-scatter the gradient
-        out[coll.ACTIVATIONS] = _gather(b * d * F32, k) + _scatter(k * b * d * F32, k)
+        act = _gather(b * d * F32, k) + _scatter(k * b * d * F32, k)
     elif scheme == "owt-b":
         rounds, n = k, b
         # each round: worker r's block sent to all (a masked all-reduce), gradient back likewise
-        out[coll.ACTIVATIONS] = k * 2 * _reduce(b * d * F32, k)
+        act = 2 * _reduce(b * d * F32, k)
     elif scheme == "owt-c":
         rounds, n = k, b
         s = b // k
-        out[coll.ACTIVATIONS] = k * (_gather(s * d * F32, k) + _scatter(b * d * F32, k))
+        act = _gather(s * d * F32, k) + _scatter(b * d * F32, k)
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
+    out.append(Transfer(coll.ACTIVATIONS, rounds * act, 2 * rounds))
     widths = list(net.hidden) + [net.num_classes]
     plan = split_plan(len(widths), fc_exchange)
-    fc = Fraction(0)
+    fc, fc_calls = Fraction(0), 0
     for i, width in enumerate(widths[:-1]):
         if plan[i] == ROW:
             fc += 2 * _reduce(n * width * F32, k)  # partial sums forward, gradient backward
+            fc_calls += 2
         elif plan[i] == COL and plan[i + 1] == COL:
             fc += _gather(n * width // k * F32, k) + _scatter(n * width * F32, k)
-    out[coll.FC_EXCHANGE] = rounds * fc
+            fc_calls += 2
+    out.append(Transfer(coll.FC_EXCHANGE, rounds * fc, rounds * fc_calls))
     classes = padded(net.num_classes, k)
     if loss == "sharded":
         # max: gathered without gradient; normalizer and target logit: one all-reduce of
         # [n, 2] each way
-        per_round = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k)
+        per_round, calls = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k), 3
     else:
         per_round = _gather(n * classes // k * F32, k) + _scatter(n * classes * F32, k)
-    out[coll.LOGITS] = rounds * per_round
+        calls = 2
+    out.append(Transfer(coll.LOGITS, rounds * per_round, rounds * calls))
+    return out
+
+
+def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,
+                 fc_exchange: str = "gather", loss: str = "gathered") -> Dict[str, Fraction]:
+    """Bytes per worker per step by purpose (keys of collectives.PURPOSES)."""
+    out = {p: Fraction(0) for p in coll.PURPOSES}
+    for t in step_transfers(net, scheme, k, batch_size, fc_exchange, loss):
+        out[t.purpose] += t.nbytes
     return out
 
 

@@ -1,0 +1,149 @@
+"""The cost model: per-layer costs read off the Keras model, the paper's speedups, the CLI.
+
+That predicted bytes equal the byte ledger of real steps is checked in test_equivalence.py,
+on the same runs that compare the engine with the single-device reference.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from owt_tf import plan
+from owt_tf.parallel import collectives as coll
+
+PAPER_SPEEDUPS = {(2, "owt-a"): 1.95, (2, "owt-c"): 1.93, (4, "owt-a"): 3.74, (4, "owt-c"): 3.66,
+                  (8, "owt-a"): 6.25, (8, "owt-c"): 6.16}
+
+
+@pytest.fixture(scope="module")
+def alexnet():
+    return plan.network_cost("alexnet", 1000)
+
+
+def test_alexnet_layer_costs_match_a_hand_count(alexnet):
+    """Multiply-adds per example written out from PAPER.md's layer table (224x224 input)."""
+    macs = {
+        "conv1": 55 * 55 * 64 * 11 * 11 * 3,
+        "conv2": 27 * 27 * 192 * 5 * 5 * 64,
+        "conv3": 13 * 13 * 384 * 3 * 3 * 192,
+        "conv4": 13 * 13 * 256 * 3 * 3 * 384,
+        "conv5": 13 * 13 * 256 * 3 * 3 * 256,
+        "fc1": 9216 * 4096, "fc2": 4096 * 4096, "fc3": 4096 * 1000,
+    }
+    got = {l.name: l.flops for l in alexnet.layers if l.kind in ("conv", "fc")}
+    assert got == {name: 2 * m for name, m in macs.items()}
+    assert alexnet.shape.trunk_params == 2_469_696 and alexnet.shape.fc_params == 58_631_144
+    assert sum(l.params for l in alexnet.layers) == alexnet.params
+    # PAPER.md: conv ~90-95 % of the compute, ~5 % of the parameters
+    assert 0.90 < alexnet.conv_train_flops / alexnet.train_flops < 0.95
+    assert alexnet.shape.trunk_params / alexnet.params < 0.05
+
+
+def test_paper_table_speedups_within_ten_percent(alexnet):
+    hw = plan.preset("k20-pcie")
+    rows = plan.paper_rows(alexnet, hw)
+    assert {(r["devices"], r["scheme"]): r["paper"] for r in rows} == PAPER_SPEEDUPS
+    for r in rows:
+        assert abs(r["error"]) < 0.10, r
+
+
+def test_k20_preset_reproduces_the_one_gpu_time(alexnet):
+    """The only number taken from the paper's table: the 1-GPU row sets the sustained FLOP/s."""
+    hw = plan.preset("k20-pcie")
+    single = plan.predict(alexnet, hw, "single", 1, 128)
+    steps = plan.PAPER_EPOCHS * plan.ILSVRC_TRAIN_IMAGES / 128
+    assert single.step_time_s * steps / 3600 == pytest.approx(plan.PAPER_ONE_GPU_HOURS, rel=1e-9)
+    assert 0 < hw.flops < plan.K20_PEAK_FLOPS
+
+
+def test_predicted_time_adds_up(alexnet):
+    hw = plan.preset("k20-pcie")
+    for scheme in ("data", "owt-a", "owt-b", "owt-c"):
+        p = plan.predict(alexnet, hw, scheme, 4, 128)
+        assert p.step_time_s == pytest.approx(p.compute_s + p.communication_s - p.hidden_s)
+        assert p.images_per_sec == pytest.approx(4 * 128 / p.step_time_s)
+        # only the round schemes overlap their exchanges with FC work
+        assert (p.hidden_s > 0) == (scheme in ("owt-b", "owt-c"))
+        assert p.hidden_s <= p.communication_s
+
+
+def test_shared_link_serializes_the_workers(alexnet):
+    hw = plan.preset("k20-pcie")
+    switched = plan.Hardware(**{**hw.__dict__, "shared_link": False, "latency": 0.0})
+    shared = plan.Hardware(**{**hw.__dict__, "latency": 0.0})
+    a = plan.predict(alexnet, switched, "data", 8, 128)
+    b = plan.predict(alexnet, shared, "data", 8, 128)
+    assert b.communication_s == pytest.approx(8 * a.communication_s)
+    assert a.communication_s == pytest.approx(a.bytes_per_step / hw.link_bandwidth)
+
+
+def test_alternatives_priced_from_the_same_primitives(alexnet):
+    hw = plan.preset("k20-pcie")
+    data = plan.predict(alexnet, hw, "data", 4, 128)
+    ps = plan.predict_alternative(alexnet, hw, "async-ps", 4, 128)
+    assert ps.bytes_per_step == data.bytes_per_step  # push + pull of 1/K shards = an all-reduce
+    mp2 = plan.predict_alternative(alexnet, hw, "model-parallel", 2, 128)
+    grouped2 = plan.predict_alternative(alexnet, hw, "grouped-hybrid", 2, 128)
+    assert grouped2.bytes_per_step == mp2.bytes_per_step  # one group of two is model parallel
+    # model parallel over 2 devices moves every layer boundary once each way for 256 rows
+    boundaries = [27 * 27 * 64, 13 * 13 * 192, 13 * 13 * 384, 13 * 13 * 256, 9216, 4096, 4096, 1000]
+    want = sum(coll.all_gather_cost(256 * f * 4 // 2, 2) + coll.reduce_scatter_cost(256 * f * 4, 2)
+               for f in boundaries)
+    assert mp2.bytes_per_step == float(want)
+    # the paper's point: with K=8 the hybrid beats every alternative that keeps synchronous SGD
+    owt = plan.predict(alexnet, hw, "owt-c", 8, 128)
+    for name in ("model-parallel", "grouped-hybrid"):
+        assert owt.step_time_s < plan.predict_alternative(alexnet, hw, name, 8, 128).step_time_s
+    assert owt.step_time_s < plan.predict(alexnet, hw, "data", 8, 128).step_time_s
+
+
+def test_recommend_is_the_fastest_option(alexnet):
+    hw = plan.preset("h100-nvlink")
+    best = plan.recommend(alexnet, hw, 8, 128)
+    for scheme in ("data", "owt-a", "owt-b", "owt-c"):
+        assert best.step_time_s <= plan.predict(alexnet, hw, scheme, 8, 128).step_time_s
+    assert best.flags.startswith(f"--scheme {best.scheme} --devices 8")
+
+
+def _run(*args, timeout=300):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, "-m", "owt_tf.plan", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def test_cli_json_records_on_measured_cpu():
+    proc = _run("--model", "alexnet_tiny", "--classes", "10", "--devices", "1,2", "--batch-size", "8",
+                "--hardware", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = json.loads(proc.stdout)
+    keys = {"scheme", "devices", "fc_batch", "step_time_s", "images_per_sec", "speedup", "bytes_per_step"}
+    assert all(keys <= set(r) for r in records)
+    by = {(r["devices"], r["scheme"]): r for r in records}
+    assert by[(1, "single")]["speedup"] == 1.0 and by[(1, "single")]["bytes_per_step"] == 0
+    for scheme in ("data", "owt-a", "owt-b", "owt-c", "model-parallel", "async-ps", "grouped-hybrid"):
+        assert by[(2, scheme)]["step_time_s"] > 0
+    assert by[(2, "owt-b")]["fc_batch"] == 8 and by[(2, "owt-a")]["fc_batch"] == 16
+
+
+def test_cli_table_paper_and_recommend():
+    proc = _run("--paper", "--recommend", "--devices", "1,8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "paper K=8 (1024, 128)" in proc.stdout
+    assert "recommend K=8:" in proc.stdout and "python -m owt_tf.train --model alexnet --scheme" in proc.stdout
+
+
+@pytest.mark.parametrize("args,flag", [
+    (("--devices", "0"), "--devices"),
+    (("--devices", "2,x"), "--devices"),
+    (("--hardware", "tpu"), "--hardware"),
+    (("--batch-size", "6", "--devices", "4"), "--batch-size"),
+    (("--link-bandwidth", "-1"), "--link-bandwidth"),
+    (("--latency", "-1"), "--latency"),
+])
+def test_cli_rejects_bad_flags_in_one_line(args, flag):
+    proc = _run(*args, timeout=120)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert len(lines) == 1 and flag in lines[0], proc.stderr
