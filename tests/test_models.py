@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from owt_tf.models import (CrossMapNorm, alexnet, alexnet_tiny, build_model, fc_param_count,
+from owt_tf.models import (CrossMapNorm, alexnet, alexnet_tiny, build_model, fc_param_count, vgg16, vgg_tiny,
                            initial_head_weights, initial_trunk_weights)
 
 
@@ -75,3 +75,39 @@ def test_image_size_builds_the_trunk_at_that_size():
     trunk = spec.build_trunk()
     assert spec.input_shape == (48, 48, 3) and trunk.input_shape == (None, 48, 48, 3)
     assert trunk.output_shape == (None, 5 * 5 * 32)  # pools: 48 -> 23 -> 11 -> 5
+
+
+def test_vgg16_parameter_counts():
+    """Simonyan & Zisserman's configuration D: 138,357,544 parameters at 1000 classes."""
+    spec = vgg16(num_classes=1000)
+    trunk = spec.build_trunk()
+    convs = [layer for layer in trunk.layers if layer.name.startswith("conv")]
+    assert len(convs) == 13
+    assert trunk.output_shape == (None, 25088)  # 7 x 7 x 512
+    conv_params = trunk.count_params()
+    fc_params = fc_param_count(spec.trunk_output_dim(trunk), spec.head)
+    want_conv = 0
+    fan_in = 3
+    for width in (64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512):
+        want_conv += 3 * 3 * fan_in * width + width
+        fan_in = width
+    assert conv_params == want_conv == 14_714_688
+    assert fc_params == 25088 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 1000 + 1000 == 123_642_856
+    assert conv_params + fc_params == 138_357_544
+    assert 0.89 < fc_params / (conv_params + fc_params) < 0.90
+
+
+def test_vgg_tiny_is_vgg16s_shape_on_32px():
+    spec = vgg_tiny()
+    trunk = spec.build_trunk()
+    convs = [layer for layer in trunk.layers if layer.name.startswith("conv")]
+    pools = [layer for layer in trunk.layers if layer.name.startswith("pool")]
+    assert len(convs) == 13 and len(pools) == 5
+    assert all(tuple(layer.kernel.shape[:2]) == (3, 3) for layer in convs)
+    assert trunk.output_shape == (None, 64)  # 32 / 2^5 = 1
+    want, fan_in = 0, 3
+    for width in (16, 16, 32, 32, 64, 64, 64, 64, 64, 64, 64, 64, 64):
+        want += 3 * 3 * fan_in * width + width
+        fan_in = width
+    assert trunk.count_params() == want == 330_576
+    assert spec.head.hidden == (256, 256)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from owt_tf.models.alexnet import alexnet, alexnet_tiny
 from owt_tf.models.registry import MODEL_NAMES, build_model
+from owt_tf.models.vgg import vgg16, vgg_tiny
 from owt_tf.models.spec import (HeadSpec, ModelSpec, fc_param_count, initial_head_weights,
                                 initial_trunk_weights)
 
@@ -19,5 +20,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["MODEL_NAMES", "build_model", "alexnet", "alexnet_tiny", "HeadSpec", "ModelSpec",
+__all__ = ["MODEL_NAMES", "build_model", "alexnet", "alexnet_tiny", "vgg16", "vgg_tiny", "HeadSpec", "ModelSpec",
            "fc_param_count", "initial_head_weights", "initial_trunk_weights", "CrossMapNorm"]

@@ -6,6 +6,8 @@ import importlib
 MODEL_BUILDERS = {
     "alexnet": "owt_tf.models.alexnet:alexnet",
     "alexnet_tiny": "owt_tf.models.alexnet:alexnet_tiny",
+    "vgg16": "owt_tf.models.vgg:vgg16",
+    "vgg_tiny": "owt_tf.models.vgg:vgg_tiny",
 }
 MODEL_NAMES = tuple(MODEL_BUILDERS)
 
