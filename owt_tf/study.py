@@ -66,23 +66,31 @@ def study_configs(devices: Sequence[int], scalings: Sequence[str]) -> List[Study
     return out
 
 
-def run_config(args: argparse.Namespace, cell: StudyConfig, seed: int, logdir: str) -> RunConfig:
+def run_config(args: argparse.Namespace, cell: StudyConfig, seed: int, logdir: str,
+               num_train: int = 0) -> RunConfig:
+    """The run behind one cell and seed; validates once per epoch when num_train is known."""
+    eval_every = max(1, round(num_train / (args.batch_size * cell.devices))) if num_train else 0
     return RunConfig(
         model=args.model, dataset=args.dataset, data_dir=args.data_dir, manual_dir=args.manual_dir,
         devices=cell.devices, scheme=cell.scheme,
         fc_batch=cell.fc_rule if cell.devices > 1 else "global",
         batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
         conv_lr_scaling=cell.scaling, momentum=0.9, weight_decay=5e-4, dropout=args.dropout,
-        seed=seed, eval_every=0, eval_every_epoch=True, logdir=logdir, checkpoint_every=0,
+        seed=seed, eval_every=eval_every, logdir=logdir, checkpoint_every=0,
         log_every=10, histogram_every=0, jit=False)
 
 
 def run_study(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
     """Trains every configuration for every seed in this process; returns one record per run."""
+    from owt_tf.data.datasets import load_dataset
     from owt_tf.devices import setup_devices
+    from owt_tf.models import build_model
     from owt_tf.training.loop import Trainer
 
     devices = setup_devices(max(args.devices), allow_cpu_devices=True)
+    shape = build_model(args.model, num_classes=10).input_shape
+    num_train = load_dataset(args.dataset, shape, data_dir=args.data_dir,
+                             manual_dir=args.manual_dir).num_train
     cells = study_configs(args.devices, args.scalings)
     runs, total = [], len(cells) * args.seeds
     started = time.perf_counter()
@@ -90,17 +98,27 @@ def run_study(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
         for seed in range(args.seeds):
             name = f"k{cell.devices}-{cell.fc_rule}-{cell.scaling}-seed{seed}"
             logdir = os.path.join(args.out, "runs", name)
-            config = run_config(args, cell, seed, logdir)
+            config = run_config(args, cell, seed, logdir, num_train)
             trainer = Trainer(config, devices[:cell.devices])
             summary = trainer.fit(log=lambda _: None, progress=False)
             record = dict(dataclasses.asdict(cell), seed=seed, label=cell.label(args.batch_size),
                           scheme=cell.scheme, logdir=logdir, **summary)
             runs.append(record)
+            save_results(args, runs)
             done = len(runs)
             eta = (time.perf_counter() - started) / done * (total - done)
             log(f"[{done}/{total}] {record['label']} seed {seed}: val top-1 error "
                 f"{summary['val_top1_error']:.2%} in {summary['wall_s']:.1f}s (about {eta / 60:.0f} min left)")
     return runs
+
+
+def save_results(args: argparse.Namespace, runs: List[Dict[str, object]],
+                 rows: Optional[List[Dict[str, object]]] = None) -> None:
+    """results.json, replaced atomically: written after every run so a crash loses none."""
+    path = os.path.join(args.out, "results.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"args": vars(args), "runs": runs, "rows": rows or []}, f, indent=1, default=float)
+    os.replace(path + ".tmp", path)
 
 
 def _groups(runs: List[Dict[str, object]]) -> Dict[str, List[Dict[str, object]]]:
@@ -178,6 +196,7 @@ def plot(runs: List[Dict[str, object]], path: str, scalings: Sequence[str]) -> N
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, len(scalings), figsize=(6 * len(scalings), 4.5), sharey=True,
                              squeeze=False)
@@ -195,6 +214,8 @@ def plot(runs: List[Dict[str, object]], path: str, scalings: Sequence[str]) -> N
         ax.set_title(f"conv LR scaling: {scaling}")
         ax.set_xlabel("epoch")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("validation top-1 error % (mean over seeds)")
@@ -261,8 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"study: {n} runs of {args.model} on {args.dataset} for {args.epochs:g} epochs into {args.out}")
     runs = run_study(args)
     rows = summarize(runs)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "runs": runs, "rows": rows}, f, indent=1)
+    save_results(args, runs, rows)
     table = markdown(rows, args)
     with open(os.path.join(args.out, "study.md"), "w") as f:
         f.write(table)

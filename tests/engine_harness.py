@@ -6,7 +6,7 @@ from typing import Dict
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.models import alexnet_tiny
+from owt_tf.models import build_model
 from owt_tf.parallel import HybridStrategy
 from reference import ReferenceModel, rel_err
 
@@ -23,9 +23,10 @@ def random_batches(steps: int, global_batch: int, classes: int, seed: int = 0):
 
 def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: str = "global",
                            fc_exchange: str = "gather", loss: str = "gathered",
-                           steps: int = 3, classes: int = 10, jit: bool = False) -> Dict[str, float]:
+                           steps: int = 3, classes: int = 10, jit: bool = False,
+                           model: str = "alexnet_tiny") -> Dict[str, float]:
     """Worst relative error of loss, gradients and weights over `steps` steps, and the ledger."""
-    spec = alexnet_tiny(num_classes=classes, dropout=0.0)
+    spec = build_model(model, num_classes=classes, dropout=0.0)
     hybrid = HybridStrategy(devices[:k], scheme, batch, fc_batch, fc_exchange, loss, jit=jit)
     model = hybrid.build_model(spec, seed=7)
     optim = hybrid.build_optimizer(model, CONV_LR, FC_LR, MOMENTUM, WD)

@@ -159,6 +159,8 @@ class Trainer:
         bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "error", "img/s"],
                                   verbose=verbose)
         history: List[StepMetrics] = []
+        steps_per_epoch = self.dataset.num_train / config.global_batch_size
+        val_history: List[List[float]] = []  # [epoch, val top-1 error] at every validation
         started = time.perf_counter()
         try:
             for i in range(first, steps + 1):
@@ -171,12 +173,14 @@ class Trainer:
                 if config.eval_every and i % config.eval_every == 0 and i < steps:
                     ev = self.evaluate()
                     summaries.validation(i, ev.loss, ev.top1_error, ev.top5_error)
+                    val_history.append([i / steps_per_epoch, ev.top1_error])
                     log(f"step {i}/{steps}: train loss {m.loss:.4f} | val loss {ev.loss:.4f} "
                         f"val top-1 error {ev.top1_error:.2%} | {m.images_per_sec:.0f} img/s")
             wall = time.perf_counter() - started
             saved = self.checkpoints.save(steps)
             ev = self.evaluate()
             summaries.validation(steps, ev.loss, ev.top1_error, ev.top5_error)
+            val_history.append([steps / steps_per_epoch, ev.top1_error])
         finally:
             summaries.close()
         if config.export_dir:
@@ -189,7 +193,7 @@ class Trainer:
         summary = {"steps": steps, "train_loss": history[-1].loss, "val_loss": ev.loss,
                    "val_top1_error": ev.top1_error, "val_top5_error": ev.top5_error,
                    "images_per_sec": float(np.median(steady)), "wall_s": wall,
-                   "bytes_per_step": history[-1].bytes_per_step}
+                   "bytes_per_step": history[-1].bytes_per_step, "val_history": val_history}
         log(f"done: {steps} steps in {wall:.1f}s | {config.scheme} on "
             f"{len(self.devices)} devices | val top-1 error {ev.top1_error:.2%} "
             f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
