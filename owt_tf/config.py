@@ -61,6 +61,8 @@ class RunConfig:
     histogram_every: int = 200
     profile_steps: Optional[str] = None  # "A:B": profiler trace of steps A..B
     allow_cpu_devices: bool = True
+    deterministic: bool = False  # op determinism: a resumed run is bit-identical
+    skip_nonfinite: int = 0  # steps with a non-finite loss or gradient to undo before stopping
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
@@ -145,6 +147,14 @@ class RunConfig:
             raise ConfigError("--checkpoint-every", f"must be >= 0, got {self.checkpoint_every}")
         if self.eval_every < 0:
             raise ConfigError("--eval-every", f"must be >= 0, got {self.eval_every}")
+        if self.skip_nonfinite < 0:
+            raise ConfigError("--skip-nonfinite", f"must be >= 0, got {self.skip_nonfinite}")
+        if self.deterministic and self.jit:
+            # XLA has no deterministic MaxPoolGrad: TF raises on the first step otherwise.
+            raise ConfigError("--deterministic", "cannot be combined with --jit (XLA's max-pool "
+                              "gradient is not deterministic); drop one of them")
+        if self.logdir is not None:
+            _check_writable("--logdir", self.logdir)
         return self
 
 
@@ -226,6 +236,24 @@ def lr_scale(rule: str, k: int) -> float:
     if rule == "none":
         return 1.0
     raise ConfigError("--conv-lr-scaling", f"unknown rule {rule!r}; allowed: {', '.join(LR_SCALINGS)}")
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """`path` is, or can become, a directory this process can write (probed, then removed)."""
+    existing = path
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep))
+    existing = existing or "."
+    if not os.path.isdir(existing):
+        where = "is" if existing == path else f"is inside {existing}, which is"
+        raise ConfigError(flag, f"{path} {where} not a directory")
+    probe = os.path.join(existing, f".owt_tf_write_probe_{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise ConfigError(flag, f"cannot write in {existing}: {err.strerror}") from None
 
 
 def _choice(flag: str, value: str, allowed: tuple) -> None:

@@ -47,9 +47,19 @@ HELP = {
     "histogram_every": "write weight and gradient histograms every N steps (0: never)",
     "profile_steps": "A:B: record a TensorBoard profiler trace of steps A to B",
     "allow_cpu_devices": "use logical CPU devices when there are fewer GPUs than --devices",
+    "deterministic": "deterministic ops (tf.config.experimental.enable_op_determinism): a run "
+                     "killed and resumed ends bit-identical to one never stopped; not with --jit",
+    "skip_nonfinite": "undo and skip up to N steps whose loss or gradient is not finite, "
+                      "then stop (0: stop at the first)",
 }
 CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
            "loss": LOSS_MODES, "conv_lr_scaling": LR_SCALINGS}
+
+
+# Exit codes: 0 done, 2 bad flags or input (nothing written), 3 non-finite loss or gradient,
+# 4 a checkpoint could not be written, 128+N ended by signal N after saving a checkpoint.
+EXIT_NONFINITE = 3
+EXIT_WRITE = 4
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -106,11 +116,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     from owt_tf.training.checkpoint import CheckpointMismatch
     from owt_tf.training.loop import Trainer
 
+    from owt_tf.training.checkpoint import CheckpointWriteError
+    from owt_tf.training.guard import Interrupted, NonFiniteError
+
     try:
         trainer = Trainer(config)
     except (ConfigError, CheckpointMismatch, DatasetError) as err:
         return _fail(err)
-    trainer.fit()
+    try:
+        trainer.fit()
+    except Interrupted as stop:
+        print(f"python -m owt_tf.train: {stop}", file=sys.stderr)
+        return 128 + stop.signum  # the shell's convention for "ended by this signal"
+    except NonFiniteError as err:
+        print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except CheckpointWriteError as err:
+        print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
+        return EXIT_WRITE
     return 0
 
 

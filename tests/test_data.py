@@ -38,9 +38,9 @@ def test_replica_k_gets_rows_k_b_to_k_plus_1_b(devices):
 
 def test_training_order_depends_on_seed_not_devices():
     ds = load_dataset("digits", (32, 32, 3))
-    first = [y.numpy() for _, y in ds.train(32, seed=1).take(3)]
-    again = [y.numpy() for _, y in ds.train(32, seed=1).take(3)]
-    other = [y.numpy() for _, y in ds.train(32, seed=2).take(3)]
+    first = [y.numpy() for _, y, _ in ds.train(32, seed=1).take(3)]
+    again = [y.numpy() for _, y, _ in ds.train(32, seed=1).take(3)]
+    other = [y.numpy() for _, y, _ in ds.train(32, seed=2).take(3)]
     assert all((a == b).all() for a, b in zip(first, again))
     assert not all((a == b).all() for a, b in zip(first, other))
 
@@ -62,8 +62,8 @@ def test_unknown_dataset_and_too_small_dataset():
 
 def test_resumed_digits_stream_starts_at_the_right_batch():
     ds = load_dataset("digits", (32, 32, 3))
-    from_start = [y.numpy() for _, y in ds.train(32, seed=1).take(5)]
-    resumed = [y.numpy() for _, y in ds.train(32, seed=1, start_step=3).take(2)]
+    from_start = [y.numpy() for _, y, _ in ds.train(32, seed=1).take(5)]
+    resumed = [y.numpy() for _, y, _ in ds.train(32, seed=1, start=3 * 32).take(2)]
     np.testing.assert_array_equal(resumed[0], from_start[3])
     np.testing.assert_array_equal(resumed[1], from_start[4])
 

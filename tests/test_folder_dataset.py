@@ -36,7 +36,8 @@ def test_folder_layout_labels_and_batches(tmp_path):
     ds = load_dataset(f"folder:{_write_tree(tmp_path)}", (32, 32, 3))
     assert ds.class_names == ["five", "one", "zero"] and ds.num_classes == 3
     assert ds.num_train == 36
-    images, labels = next(iter(ds.train(12, seed=0)))
+    images, labels, positions = next(iter(ds.train(12, seed=0)))
+    np.testing.assert_array_equal(positions.numpy(), np.arange(12))
     assert images.shape == (12, 32, 32, 3) and images.dtype == tf.float32
     assert set(labels.numpy()) <= {0, 1, 2}
     val_labels = np.concatenate([y.numpy() for _, y in ds.validation(8)])
@@ -81,7 +82,7 @@ def test_train_cli_on_a_folder(tmp_path):
 
 def test_resumed_stream_starts_at_the_right_batch(tmp_path):
     ds = load_dataset(f"folder:{_write_tree(tmp_path)}", (32, 32, 3))
-    from_start = [x.numpy() for x, _ in ds.train(6, seed=3).take(4)]
-    resumed = [x.numpy() for x, _ in ds.train(6, seed=3, start_step=2).take(2)]
+    from_start = [x.numpy() for x, _, _ in ds.train(6, seed=3).take(4)]
+    resumed = [x.numpy() for x, _, _ in ds.train(6, seed=3, start=2 * 6).take(2)]
     np.testing.assert_array_equal(resumed[0], from_start[2])
     np.testing.assert_array_equal(resumed[1], from_start[3])

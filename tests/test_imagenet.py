@@ -51,7 +51,7 @@ def test_imagenet2012_prepares_offline_and_trains(devices, tmp_path):
                        devices=2, batch_size=4, eval_every=0, logdir=str(tmp_path / "run"))
     trainer = Trainer(config, devices=devices[:2])
     assert trainer.dataset.num_classes == 1000 and trainer.dataset.num_train == 20
-    labels = {int(y) for _, y in trainer.dataset._train_images(0, 0).take(20)}
+    labels = {int(y) for _, y in trainer.dataset._readable().take(20)}
     names = tfds.builder("imagenet2012", data_dir=data_dir).info.features["label"].names
     assert labels == {names.index(s) for s in SYNSETS}
     summary = trainer.fit(log=lambda line: None, progress=False)

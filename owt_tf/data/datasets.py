@@ -10,6 +10,12 @@
 A training batch is the *global* batch of B*K examples; MirroredStrategy's
 experimental_distribute_dataset gives replica k rows k*B ... (k+1)*B-1 of it, so step t
 sees the same examples whatever K is (DESIGN.md's run contract).
+
+Training batches are (images, labels, positions): an example's position is its index in
+the endless, seeded input stream, counted before anything is decoded. Streamed images that
+cannot be decoded (corrupt, truncated) are dropped and show up as gaps in the positions,
+which is how the loop counts them; the position after the last example used is what a
+resumed run starts from, so a run with bad images resumes exactly.
 """
 from __future__ import annotations
 
@@ -42,16 +48,22 @@ class ArrayDataset:
     mean: Tuple[float, ...]
     std: Tuple[float, ...]
 
-    def train(self, global_batch: int, seed: int, start_step: int = 0) -> tf.data.Dataset:
-        """Endless shuffled global batches (a new order each epoch, fixed by `seed`), from the
-        batch of step `start_step` + 1 on (a resumed run continues where it stopped)."""
+    def train(self, global_batch: int, seed: int, start: int = 0) -> tf.data.Dataset:
+        """Endless shuffled global batches (a new order each epoch, fixed by `seed`) of
+        (images, labels, positions), from stream position `start` on (a resumed run
+        continues where it stopped)."""
         if len(self.train_labels) < global_batch:
             raise DatasetError(f"{self.name}: {len(self.train_labels)} training examples is "
                                f"fewer than one global batch of {global_batch}")
         ds = tf.data.Dataset.from_tensor_slices((self.train_images, self.train_labels))
         ds = ds.shuffle(len(self.train_labels), seed=seed, reshuffle_each_iteration=True)
-        ds = ds.repeat().batch(global_batch, drop_remainder=True).skip(start_step)
-        return ds.map(self._prepare, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
+        ds = tf.data.Dataset.zip((ds.repeat().skip(start), tf.data.Dataset.counter(start)))
+        ds = ds.map(lambda item, position: (*item, position))
+        ds = ds.batch(global_batch, drop_remainder=True)
+        return ds.map(self._prepare_train, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
+
+    def _prepare_train(self, images, labels, positions):
+        return normalize(images, self.mean, self.std), labels, positions
 
     def validation(self, global_batch: int) -> tf.data.Dataset:
         """One pass over the validation split; the last batch is padded with label -1."""
@@ -131,9 +143,10 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif")
 class StreamDataset:
     """Images streamed and decoded by tf.data, AlexNet-augmented for training.
 
-    Subclasses provide `_train_images(seed, skip)` (endless, shuffled (uint8 image, label)
-    pairs, the first `skip` dropped before decoding) and `_val_images()` (one pass), plus
-    num_classes, num_train and name."""
+    Subclasses provide `_train_records(seed, skip)` (endless, shuffled (record, label) pairs,
+    the first `skip` dropped), `_decode(record, label)` -> (uint8 image, int32 label),
+    `_val_records()` (one pass), plus num_classes, num_train and name. Records are file
+    names or encoded bytes: nothing skipped is ever decoded."""
 
     name: str
     num_classes: int
@@ -147,27 +160,41 @@ class StreamDataset:
         c = self.image_shape[-1]
         self.mean, self.std = tuple(self.mean[:c]), tuple(self.std[:c])
 
-    def train(self, global_batch: int, seed: int, start_step: int = 0) -> tf.data.Dataset:
-        """Endless augmented global batches, from the batch of step `start_step` + 1 on.
-        Skipped examples are dropped before they are read or decoded."""
+    def train(self, global_batch: int, seed: int, start: int = 0) -> tf.data.Dataset:
+        """Endless augmented global batches of (images, labels, positions), from stream
+        position `start` on. Skipped examples are dropped before they are read or decoded;
+        images that fail to decode are dropped too (gaps in the positions)."""
         from owt_tf.data.preprocess import train_augment
 
         if self.num_train < global_batch:
             raise DatasetError(f"{self.name}: {self.num_train} training images is fewer than "
                                f"one global batch of {global_batch}")
+        self._check_readable()
         size = self.image_shape[:2]
-        # Each example's augmentation is seeded by its position in the stream: repeatable.
-        skip = start_step * global_batch
-        indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(skip),
-                                       self._train_images(seed, skip)))
+        indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(start),
+                                       self._train_records(seed, start)))
 
-        def augment(index, item):
-            image, label = item
-            seeds = tf.stack([tf.cast(seed, tf.int32), tf.cast(index, tf.int32)])
-            return normalize(train_augment(image, size, seeds), self.mean, self.std), label
+        def decode_and_augment(position, item):
+            image, label = self._decode(*item)
+            # Each example's augmentation is seeded by its stream position: repeatable.
+            seeds = tf.stack([tf.cast(seed, tf.int32), tf.cast(position, tf.int32)])
+            return (normalize(train_augment(image, size, seeds), self.mean, self.std), label,
+                    position)
 
-        ds = indexed.map(augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        ds = indexed.map(decode_and_augment, num_parallel_calls=tf.data.AUTOTUNE,
+                         deterministic=True).ignore_errors(log_warning=True)
         return ds.batch(global_batch, drop_remainder=True).prefetch(2)
+
+    def _readable(self) -> tf.data.Dataset:
+        """One pass over the training records, decoded, unreadable ones dropped."""
+        return self._train_records(0, 0).take(self.num_train).map(self._decode).ignore_errors()
+
+    def _check_readable(self) -> None:
+        """Fails at once when no training image decodes (the endless stream would spin on)."""
+        for _ in self._readable().take(1):
+            return
+        raise DatasetError(f"{self.name}: none of the {self.num_train} training images could be "
+                           "decoded")
 
     def validation(self, global_batch: int) -> tf.data.Dataset:
         """One pass, center crops; the last batch is padded with label -1."""
@@ -184,13 +211,14 @@ class StreamDataset:
             y = tf.concat([y, -tf.ones([missing], tf.int32)], 0)
             return tf.ensure_shape(x, [global_batch, h, w, c]), tf.ensure_shape(y, [global_batch])
 
-        ds = self._val_images().map(center, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = self._val_records().map(self._decode, num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.ignore_errors(log_warning=True).map(center, num_parallel_calls=tf.data.AUTOTUNE)
         return ds.batch(global_batch).map(pad).prefetch(2)
 
     def sample_images(self, count: int = 8) -> np.ndarray:
         size = self.image_shape[:2]
         return np.stack([tf.cast(tf.image.resize(img, size), tf.uint8).numpy()
-                         for img, _ in self._train_images(0, 0).take(count)])
+                         for img, _ in self._readable().take(count)])
 
 
 class FolderDataset(StreamDataset):
@@ -233,15 +261,13 @@ class FolderDataset(StreamDataset):
         image.set_shape([None, None, self.image_shape[-1]])
         return image, label
 
-    def _train_images(self, seed: int, skip: int) -> tf.data.Dataset:
+    def _train_records(self, seed: int, skip: int) -> tf.data.Dataset:
         files = tf.data.Dataset.from_tensor_slices((self.train_files, self.train_file_labels))
         files = files.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True)
-        files = files.repeat().skip(skip)
-        return files.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return files.repeat().skip(skip)
 
-    def _val_images(self) -> tf.data.Dataset:
-        files = tf.data.Dataset.from_tensor_slices((self.val_files, self.val_file_labels))
-        return files.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE)
+    def _val_records(self) -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices((self.val_files, self.val_file_labels))
 
 
 class TfdsDataset(StreamDataset):
@@ -301,11 +327,9 @@ class TfdsDataset(StreamDataset):
         image.set_shape([None, None, c])
         return image, tf.cast(label, tf.int32)
 
-    def _train_images(self, seed: int, skip: int) -> tf.data.Dataset:
+    def _train_records(self, seed: int, skip: int) -> tf.data.Dataset:
         ds = self._encoded("train", seed)
-        ds = ds.shuffle(min(self.num_train, 10_000), seed=seed).repeat().skip(skip)
-        return ds.map(self._decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return ds.shuffle(min(self.num_train, 10_000), seed=seed).repeat().skip(skip)
 
-    def _val_images(self) -> tf.data.Dataset:
-        return self._encoded(self.val_split, None).map(self._decode,
-                                                       num_parallel_calls=tf.data.AUTOTUNE)
+    def _val_records(self) -> tf.data.Dataset:
+        return self._encoded(self.val_split, None)

@@ -170,6 +170,17 @@ class HybridStrategy:
             grads[f"fc{li}/kernel"], grads[f"fc{li}/bias"] = last[2 * li], last[2 * li + 1]
         return grads
 
+    def finite_check_names(self, model: DistributedModel) -> List[str]:
+        """What each entry of train_step's "finite" flags is about: the loss, then every
+        trunk gradient in layer order, then every FC update's gradients in layer order."""
+        names = ["loss"] + [f"gradient of {v.path}" for v in model.trunk.trainable_variables]
+        updates = self.plan.num_rounds if self.plan.updates_fc_every_round else 1
+        for u in range(updates):
+            suffix = f" (round {u + 1} of {updates})" if updates > 1 else ""
+            for li in range(len(model.head.layers)):
+                names += [f"gradient of fc{li + 1}/kernel{suffix}", f"gradient of fc{li + 1}/bias{suffix}"]
+        return names
+
     def predict_step(self, model: DistributedModel, images) -> tf.Tensor:
         """Logits [global batch, classes] of a distributed batch, rows in global order."""
         out = self.strategy.run(functools.partial(self._replica_logits, model), args=(images,))
@@ -215,8 +226,12 @@ class HybridStrategy:
         trunk_grads = trunk_tape.gradient(activations, trunk_vars,
                                           output_gradients=rounds.activation_grad)
         optim.trunk.apply(trunk_grads)
+        # The numerical guard's input: is each of these finite on this replica (names:
+        # finite_check_names). Checked here, where every gradient exists, for one pass each.
+        checks = [rounds.loss_sum] + list(trunk_grads) + [g for u in rounds.fc_grads for g in u]
         out = {"loss_sum": rounds.loss_sum, "correct": rounds.correct,
-               "count": tf.constant(rounds.count)}
+               "count": tf.constant(rounds.count),
+               "finite": tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in checks])}
         if with_grads:
             out["trunk_grads"] = trunk_grads
             out["fc_grads"] = rounds.fc_grads
@@ -257,6 +272,8 @@ class HybridStrategy:
             local = self.strategy.experimental_local_results(value)
             if key in ("trunk_grads", "fc_grads"):
                 merged[key] = local
+            elif key == "finite":
+                merged[key] = tf.reduce_all(tf.stack(list(local)), axis=0)
             elif self.plan.model_parallel:
                 merged[key] = local[0]
             else:

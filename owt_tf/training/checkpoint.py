@@ -30,6 +30,10 @@ class CheckpointMismatch(ValueError):
     """The logdir's checkpoint belongs to another network or class count."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, read-only, gone); the previous one is kept."""
+
+
 class FcState(trackable.Trackable):
     """Every FC layer and its momentum as full tensors, whatever the device layout."""
 
@@ -82,12 +86,13 @@ class RunCheckpoints:
     """The checkpoints of one run directory: save every N steps, resume from the latest."""
 
     def __init__(self, logdir: str, model, optim, step: tf.Variable, identity: Dict[str, object],
-                 max_to_keep: int = 3):
+                 counters: Optional[Dict[str, tf.Variable]] = None, max_to_keep: int = 3):
         self.directory = os.path.join(logdir, "checkpoints")
         self.identity = identity
         self.checkpoint = tf.train.Checkpoint(trunk=model.trunk,
                                               trunk_optimizer=optim.trunk.optimizer,
-                                              fc=FcState(model, optim), step=step)
+                                              fc=FcState(model, optim), step=step,
+                                              **(counters or {}))
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep)
 
     def check_identity(self, logdir: str) -> None:
@@ -117,4 +122,15 @@ class RunCheckpoints:
         return latest
 
     def save(self, step: int) -> str:
-        return self.manager.save(checkpoint_number=step)
+        """Writes ckpt-<step>. Atomic as far as a resume can tell: TF writes the data under a
+        temporary name and renames it, and only then rewrites the `checkpoint` index file
+        (itself written to a temporary file and renamed), so a write killed at any point
+        leaves the index naming the previous, complete checkpoint."""
+        try:
+            return self.manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as err:
+            previous = self.manager.latest_checkpoint
+            kept = f"{previous} is intact" if previous else "there is no earlier checkpoint"
+            message = getattr(err, "message", None) or str(err)
+            raise CheckpointWriteError(f"could not write the checkpoint of step {step} in "
+                                       f"{self.directory}: {message.splitlines()[0]}; {kept}") from None

@@ -22,6 +22,8 @@ from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import RunCheckpoints
+from owt_tf.training.guard import (Interrupted, NonFiniteError, SignalStop, StepSnapshot,
+                                   first_nonfinite)
 from owt_tf.training.summaries import RunSummaries
 
 
@@ -32,6 +34,7 @@ class StepMetrics:
     images_per_sec: float
     bytes_per_step: float
     grads: Optional[Dict[str, np.ndarray]] = None
+    nonfinite: Optional[str] = None  # what was not finite, when this step was undone
 
 
 @dataclasses.dataclass
@@ -47,6 +50,10 @@ class Trainer:
 
     def __init__(self, config: RunConfig, devices: Optional[Sequence[str]] = None):
         self.config = config.validate()
+        if config.deterministic:
+            # Process-wide, and before any kernel is built: ops without a deterministic
+            # implementation then raise instead of silently varying.
+            tf.config.experimental.enable_op_determinism()
         k = config.devices
         self.devices = list(devices or setup_devices(k, config.allow_cpu_devices))[:k]
         probe = build_model(config.model, num_classes=10, dropout=config.dropout)
@@ -61,25 +68,49 @@ class Trainer:
         self.optimizer = self.hybrid.build_optimizer(
             self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+        # Where the input stream continues (examples read, unreadable ones included) and
+        # the run's counts of skipped inputs and steps: checkpointed with the weights.
+        self.data_position = tf.Variable(0, dtype=tf.int64, trainable=False, name="data_position")
+        self.skipped_images = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_images")
+        self.skipped_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_nonfinite")
         self.logdir = config.logdir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
         identity = {"model": config.model, "dataset": config.dataset,
                     "num_classes": self.dataset.num_classes}
-        self.checkpoints = RunCheckpoints(self.logdir, self.model, self.optimizer, self.step,
-                                          identity)
+        self.checkpoints = RunCheckpoints(
+            self.logdir, self.model, self.optimizer, self.step, identity,
+            counters={"data_position": self.data_position, "skipped_images": self.skipped_images,
+                      "skipped_nonfinite": self.skipped_steps})
         self.checkpoints.check_identity(self.logdir)
         self.resumed_from = self.checkpoints.restore_latest()
         # A checkpoint from another K or scheme carries its own rates; this run's config rules.
         self.optimizer.set_learning_rates(config.conv_lr, config.fc_lr)
         self._lr_factor = 1.0
         strategy = self.hybrid.strategy
-        # The input order is fixed by the seed: starting after the steps done restores the
-        # position (streamed datasets skip those examples before reading them).
+        if self.resumed_from and int(self.data_position) == 0:  # saved before positions were
+            self.data_position.assign(int(self.step) * config.global_batch_size)
+        # The input order is fixed by the seed: continuing at the saved stream position
+        # restores it (streamed datasets drop those examples before reading them).
         train = self.dataset.train(config.global_batch_size, config.seed,
-                                   start_step=int(self.step))
+                                   start=int(self.data_position))
         self._train_batches = iter(strategy.experimental_distribute_dataset(train))
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
         self._predict_fn = tf.function(lambda images: self.hybrid.predict_step(self.model, images))
+        self._finite_names = self.hybrid.finite_check_names(self.model)
+        self._snapshot = (StepSnapshot(self._state_variables(), strategy)
+                          if config.skip_nonfinite else None)
+
+    def _state_variables(self) -> List[tf.Variable]:
+        """Every variable a step changes except the step counter: weights and optimizer state."""
+        model, optim = self.model, self.optimizer
+        variables = list(model.trunk.variables) + list(optim.trunk.optimizer.variables)
+        for k in range(model.head.num_shards):
+            variables += model.head.shard_variables(k)
+        if optim.fc_shards is not None:
+            variables += [slot for slots in optim.fc_shards.slots for slot in slots]
+        else:
+            variables += list(optim.fc_mirrored.optimizer.variables)
+        return variables
 
     # -- compiled bodies ------------------------------------------------------------------
     def _train_step(self, images, labels, with_grads=False):
@@ -96,15 +127,33 @@ class Trainer:
     def train_step(self, with_grads: bool = False) -> StepMetrics:
         """Runs one step on the next global batch (with whole-model gradients if asked)."""
         start = time.perf_counter()
-        images, labels = next(self._train_batches)
+        images, labels, positions = next(self._train_batches)
+        if self._snapshot is not None:
+            self._snapshot.take()
         out = self._train_fn(images, labels, with_grads)
+        self._advance_data_position(positions)
+        nonfinite = first_nonfinite(out["finite"].numpy(), self._finite_names)
+        if nonfinite is not None:
+            if int(self.skipped_steps) >= self.config.skip_nonfinite:
+                raise NonFiniteError(int(self.step), nonfinite,
+                                     self.checkpoints.manager.latest_checkpoint)
+            self._snapshot.restore()
+            self.skipped_steps.assign_add(1)
         count = int(out["count"])
         loss = float(out["loss_sum"]) / count
         seconds = time.perf_counter() - start
         grads = self.hybrid.assemble_grads(self.model, out) if with_grads else None
         return StepMetrics(loss, 1.0 - int(out["correct"]) / count,
                            self.config.global_batch_size / seconds,
-                           float(self.hybrid.ledger.total), grads)
+                           float(self.hybrid.ledger.total), grads, nonfinite)
+
+    def _advance_data_position(self, positions) -> None:
+        """Moves the saved stream position past this batch; gaps were unreadable images."""
+        local = self.hybrid.strategy.experimental_local_results(positions)
+        after = max(int(np.max(p)) for p in local) + 1
+        read = after - int(self.data_position)
+        self.skipped_images.assign_add(read - self.config.global_batch_size)
+        self.data_position.assign(after)
 
     def evaluate(self) -> EvalMetrics:
         """Loss and top-1/top-5 error over the whole validation split."""
@@ -140,7 +189,9 @@ class Trainer:
         the run is.
 
         Validates every config.eval_every steps, writes TensorBoard summaries to the logdir
-        and checkpoints every config.checkpoint_every steps and at the end.
+        and checkpoints every config.checkpoint_every steps and at the end. SIGINT / SIGTERM
+        end it after the current step with a checkpoint (`Interrupted`); a non-finite step
+        ends it without one (`NonFiniteError`), unless --skip-nonfinite lets it be undone.
         """
         config = self.config
         steps = steps or config.total_steps(self.dataset.num_train)
@@ -158,31 +209,19 @@ class Trainer:
         verbose = (1 if sys.stdout.isatty() else 0) if progress else 0
         bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "error", "img/s"],
                                   verbose=verbose)
-        history: List[StepMetrics] = []
         steps_per_epoch = self.dataset.num_train / config.global_batch_size
         val_history: List[List[float]] = []  # [epoch, val top-1 error] at every validation
         started = time.perf_counter()
-        try:
-            for i in range(first, steps + 1):
-                m = self._run_logged_step(i, steps, summaries)
-                history.append(m)
-                bar.update(i, [("loss", m.loss), ("error", m.top1_error),
-                               ("img/s", m.images_per_sec)])
-                if config.checkpoint_every and i % config.checkpoint_every == 0 and i < steps:
-                    self.checkpoints.save(i)
-                if config.eval_every and i % config.eval_every == 0 and i < steps:
-                    ev = self.evaluate()
-                    summaries.validation(i, ev.loss, ev.top1_error, ev.top5_error)
-                    val_history.append([i / steps_per_epoch, ev.top1_error])
-                    log(f"step {i}/{steps}: train loss {m.loss:.4f} | val loss {ev.loss:.4f} "
-                        f"val top-1 error {ev.top1_error:.2%} | {m.images_per_sec:.0f} img/s")
-            wall = time.perf_counter() - started
-            saved = self.checkpoints.save(steps)
-            ev = self.evaluate()
-            summaries.validation(steps, ev.loss, ev.top1_error, ev.top5_error)
-            val_history.append([steps / steps_per_epoch, ev.top1_error])
-        finally:
-            summaries.close()
+        with SignalStop() as stop:
+            try:
+                history = self._train_steps(first, steps, summaries, bar, val_history, stop, log)
+                wall = time.perf_counter() - started
+                saved = self.checkpoints.save(steps)
+                ev = self.evaluate()
+                summaries.validation(steps, ev.loss, ev.top1_error, ev.top5_error)
+                val_history.append([steps / steps_per_epoch, ev.top1_error])
+            finally:
+                summaries.close()
         if config.export_dir:
             from owt_tf.export import export_saved_model
 
@@ -194,12 +233,42 @@ class Trainer:
                    "val_top1_error": ev.top1_error, "val_top5_error": ev.top5_error,
                    "images_per_sec": float(np.median(steady)), "wall_s": wall,
                    "bytes_per_step": history[-1].bytes_per_step, "val_history": val_history}
+        skipped = int(self.skipped_images)
+        if skipped or int(self.skipped_steps):
+            log(f"skipped {skipped} unreadable training images and {int(self.skipped_steps)} "
+                "non-finite steps")
         log(f"done: {steps} steps in {wall:.1f}s | {config.scheme} on "
             f"{len(self.devices)} devices | val top-1 error {ev.top1_error:.2%} "
             f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
             f"{summary['images_per_sec']:.0f} img/s | "
             f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/worker | checkpoint {saved}")
         return summary
+
+    def _train_steps(self, first: int, steps: int, summaries: RunSummaries, bar, val_history,
+                     stop: SignalStop, log) -> List[StepMetrics]:
+        """Steps first..steps with periodic checkpoints and validation; stops on a signal."""
+        config = self.config
+        steps_per_epoch = self.dataset.num_train / config.global_batch_size
+        history: List[StepMetrics] = []
+        for i in range(first, steps + 1):
+            m = self._run_logged_step(i, steps, summaries)
+            history.append(m)
+            if m.nonfinite:
+                log(f"step {i}: non-finite {m.nonfinite}; step undone "
+                    f"({int(self.skipped_steps)} of {config.skip_nonfinite} skips used)")
+            bar.update(i, [("loss", m.loss), ("error", m.top1_error), ("img/s", m.images_per_sec)])
+            if stop.signum is not None:
+                saved = self.checkpoints.save(i)
+                raise Interrupted(stop.signum, i, saved, self.logdir)
+            if config.checkpoint_every and i % config.checkpoint_every == 0 and i < steps:
+                self.checkpoints.save(i)
+            if config.eval_every and i % config.eval_every == 0 and i < steps:
+                ev = self.evaluate()
+                summaries.validation(i, ev.loss, ev.top1_error, ev.top5_error)
+                val_history.append([i / steps_per_epoch, ev.top1_error])
+                log(f"step {i}/{steps}: train loss {m.loss:.4f} | val loss {ev.loss:.4f} "
+                    f"val top-1 error {ev.top1_error:.2%} | {m.images_per_sec:.0f} img/s")
+        return history
 
     def _run_logged_step(self, i: int, steps: int, summaries: RunSummaries) -> StepMetrics:
         config = self.config
@@ -216,6 +285,7 @@ class Trainer:
             summaries.train(i, m.loss, m.top1_error, m.images_per_sec, m.bytes_per_step,
                             float(self.optimizer.trunk.learning_rate.numpy()),
                             float(self.optimizer.fc_learning_rate.numpy()))
+            summaries.counters(i, int(self.skipped_images), int(self.skipped_steps))
         if histograms:
             summaries.histograms(i, "weights", self.model.named_weights().items())
             summaries.histograms(i, "gradients", m.grads.items())

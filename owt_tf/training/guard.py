@@ -1,0 +1,105 @@
+"""What stops a run early, and how it stops without losing work.
+
+* `NonFiniteGuard`: every step reports whether its loss and each gradient were finite
+  (HybridStrategy.train_step's "finite" flags). The first non-finite step stops the run
+  (`NonFiniteError`, naming the step and the first non-finite tensor) before anything is
+  saved, so the last checkpoint stays the last good one; with --skip-nonfinite N up to N
+  such steps are undone instead, from an on-device copy of every variable taken before
+  each step (the FC layers may have been updated mid-step, round by round, so there is no
+  single update to withhold).
+* `SignalStop`: SIGINT / SIGTERM set a flag that the loop checks between steps; the loop
+  then saves a checkpoint and ends with `Interrupted`.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from typing import List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced a non-finite loss or gradient, and no skips were left."""
+
+    def __init__(self, step: int, what: str, checkpoint: Optional[str]):
+        kept = f"the last checkpoint ({checkpoint}) is kept" if checkpoint else "no checkpoint was written"
+        super().__init__(f"step {step}: non-finite {what}; stopped, {kept}")
+        self.step = step
+        self.what = what
+
+
+class Interrupted(RuntimeError):
+    """SIGINT or SIGTERM arrived; a checkpoint was saved at `step`."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str, logdir: str):
+        name = signal.Signals(signum).name
+        super().__init__(f"{name} at step {step}: saved {checkpoint}; run the same command with "
+                         f"--logdir {logdir} to resume")
+        self.signum = signum
+
+
+def first_nonfinite(flags: np.ndarray, names: Sequence[str]) -> Optional[str]:
+    """The first entry whose flag is False, described; None when all are finite."""
+    bad = np.flatnonzero(~np.asarray(flags, bool))
+    if not len(bad):
+        return None
+    if bad[0] == 0:  # the loss: say where the gradients first went wrong too
+        grads = [names[i] for i in bad[1:]]
+        return "loss" + (f" (first non-finite {grads[0]}, {len(grads)} of {len(names) - 1} "
+                         "gradients non-finite)" if grads else "")
+    return names[bad[0]]
+
+
+class StepSnapshot:
+    """An on-device copy of variables, taken before a step and put back to undo it."""
+
+    def __init__(self, variables: Sequence[tf.Variable], strategy: tf.distribute.Strategy):
+        self._variables: List[tf.Variable] = list(variables)
+        self._copies: List[tf.Variable] = []
+        for v in self._variables:
+            backing = getattr(v, "value", v)  # a Keras variable wraps the tf.Variable
+            if isinstance(backing, tf.distribute.DistributedValues):
+                with strategy.scope():
+                    copy = tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+            else:
+                with tf.device(v.device):
+                    copy = tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+            self._copies.append(copy)
+        self.take = tf.function(lambda: self._copy(self._variables, self._copies))
+        self.restore = tf.function(lambda: self._copy(self._copies, self._variables))
+
+    @staticmethod
+    def _copy(sources, targets):
+        for s, t in zip(sources, targets):
+            t.assign(s)
+
+
+class SignalStop:
+    """Turns SIGINT / SIGTERM into a flag while active (main thread only; a no-op elsewhere)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._previous = {}
+
+    def __enter__(self) -> "SignalStop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            return
+        # A second signal: the user insists. Stop at once, as without this handler.
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -1,0 +1,63 @@
+"""Runs `python -m owt_tf.train` and SIGKILLs itself at a chosen moment (tests only).
+
+    python tests/kill_harness.py MOMENT STEP -- <train flags>
+
+MOMENT is where the process dies, without any chance to clean up:
+    step          while step STEP runs (a thread kills the process once the step has started)
+    serialize     while checkpoint STEP's tensors are being gathered for writing
+    index         after checkpoint STEP's data files are written, before the `checkpoint`
+                  index file names them
+"""
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> int:
+    moment, at = sys.argv[1], int(sys.argv[2])
+    flags = sys.argv[sys.argv.index("--") + 1:]
+    from tensorflow.python.checkpoint import checkpoint_management
+
+    from owt_tf import train
+    from owt_tf.training import checkpoint, loop
+
+    if moment == "step":
+        real_step = loop.Trainer.train_step
+
+        def train_step(self, *args, **kwargs):
+            if int(self.step) + 1 == at:
+                threading.Thread(target=lambda: (time.sleep(0.002), _die()), daemon=True).start()
+            return real_step(self, *args, **kwargs)
+
+        loop.Trainer.train_step = train_step
+    elif moment == "serialize":
+        real = checkpoint.FcState._serialize_to_tensors
+
+        def serialize(self):
+            if int(self._optim.trunk.optimizer.iterations.numpy()) == at:
+                _die()
+            return real(self)
+
+        checkpoint.FcState._serialize_to_tensors = serialize
+    elif moment == "index":
+        real_update = checkpoint_management.update_checkpoint_state_internal
+
+        def update(save_dir, model_checkpoint_path, *args, **kwargs):
+            if model_checkpoint_path.endswith(f"ckpt-{at}"):
+                _die()
+            return real_update(save_dir, model_checkpoint_path, *args, **kwargs)
+
+        checkpoint_management.update_checkpoint_state_internal = update
+    else:
+        raise SystemExit(f"unknown moment {moment!r}")
+    return train.main(flags)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
