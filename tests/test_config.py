@@ -67,6 +67,16 @@ CLI_BAD = [
     (["--devices", "3"], "--devices"),  # alexnet_tiny's FC width 256 over 3 devices
     (["--batch-size", "many"], "--batch-size"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--skip-nonfinite", "-1"], "--skip-nonfinite"),
+    (["--deterministic", "--jit"], "--deterministic"),
+    (["--lr", "nan"], "--lr"),
+    (["--momentum", "1.0"], "--momentum"),
+    (["--epochs", "0"], "--epochs"),
+    (["--profile-steps", "5:2"], "--profile-steps"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every"),
+    (["--lr-schedule", "step", "--lr-decay-epochs", "60,30"], "--lr-decay-epochs"),
+    (["--dropout", "1.5"], "--dropout"),
+    (["--scheme", "owt-a", "--fc-batch", "worker"], "--fc-batch"),
 ]
 
 
@@ -105,3 +115,31 @@ def test_cli_dataset_and_output_errors_in_one_line(tmp_path):
         assert len(errors) == 1 and needle in errors[0], (args, proc.stderr[-2000:])
         assert not (work / "run").exists() and os.listdir(work) == []
     assert (busy / "x").read_text() == "keep"
+
+
+def _unwritable_dir(tmp_path):
+    """A directory this process cannot write: a read-only folder, or for root (who ignores
+    permissions) a kernel filesystem that refuses new files."""
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        (ro / "keep").write_text("keep")
+        ro.chmod(0o555)
+        return ro
+    return "/sys"
+
+
+def test_cli_refuses_logdirs_it_cannot_use(tmp_path):
+    a_file = tmp_path / "not_a_dir"
+    a_file.write_text("keep")
+    cases = [(a_file, "not a directory"), (a_file / "run", "not a directory"),
+             (os.path.join(str(_unwritable_dir(tmp_path)), "owt_run"), "cannot write")]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    for logdir, needle in cases:
+        proc = _cli("--logdir", str(logdir), cwd=work)
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 2, (logdir, proc.stderr)
+        assert len(lines) == 1 and "--logdir" in lines[0] and needle in lines[0], proc.stderr
+        assert os.listdir(work) == []
+    assert a_file.read_text() == "keep"

@@ -223,3 +223,34 @@ def test_dataset_without_a_readable_image_fails_at_once(tmp_path):
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert "none of the 24 training images could be decoded" in errors[0]
     assert os.listdir(work) == []
+
+
+def _file_size_limit(limit):
+    """For a child process: writes past `limit` bytes per file fail (EFBIG), as on a full disk."""
+    import resource
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_failed_checkpoint_write_is_reported_and_the_previous_one_kept(tmp_path):
+    logdir = str(tmp_path / "run")
+    flags = ["--steps", "4", "--eval-every", "0", "--checkpoint-every", "2", "--histogram-every", "0",
+             "--logdir", logdir]
+    assert _train(*flags).returncode == 0
+    before = _tensors(logdir, 4)
+    # resumed with a file-size limit far below a checkpoint's data file: the write of
+    # step 6's checkpoint fails the way a full disk makes it fail
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.train", *flags[2:], "--steps", "8"],
+                          capture_output=True, text=True, env=_env(), timeout=600,
+                          preexec_fn=_file_size_limit(200_000))
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    errors = [l for l in proc.stderr.splitlines() if "owt_tf.train: error" in l]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "could not write the checkpoint of step 6" in errors[0]
+    assert "ckpt-4 is intact" in errors[0] and "File too large" in errors[0]
+    assert not os.path.exists(os.path.join(logdir, "checkpoints", "ckpt-6_temp"))
+    assert tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints")).endswith("ckpt-4")
+    _assert_bit_identical(_tensors(logdir, 4), before)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -28,6 +30,13 @@ CONFIG_FILE = "run_config.json"
 
 class CheckpointMismatch(ValueError):
     """The logdir's checkpoint belongs to another network or class count."""
+
+
+def _op_error_text(err: Exception) -> str:
+    """The OS's words from a TF op error, without TF's function-node and op decorations."""
+    text = (getattr(err, "message", None) or str(err)).splitlines()[0]
+    text = re.sub(r"\{\{[^}]*\}\}\s*", "", text)
+    return re.sub(r"\s*\[Op:\w+\]", "", text).strip()
 
 
 class CheckpointWriteError(OSError):
@@ -131,6 +140,7 @@ class RunCheckpoints:
         except (tf.errors.OpError, OSError) as err:
             previous = self.manager.latest_checkpoint
             kept = f"{previous} is intact" if previous else "there is no earlier checkpoint"
-            message = getattr(err, "message", None) or str(err)
+            # TF's half-written temporary files: never named by the index, so only clutter.
+            shutil.rmtree(os.path.join(self.directory, f"ckpt-{step}_temp"), ignore_errors=True)
             raise CheckpointWriteError(f"could not write the checkpoint of step {step} in "
-                                       f"{self.directory}: {message.splitlines()[0]}; {kept}") from None
+                                       f"{self.directory}: {_op_error_text(err)}; {kept}") from None
