@@ -85,6 +85,7 @@ def run_study(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
     from owt_tf.data.datasets import load_dataset
     from owt_tf.devices import setup_devices
     from owt_tf.models import build_model
+    from owt_tf.training.guard import NonFiniteError
     from owt_tf.training.loop import Trainer
 
     devices = setup_devices(max(args.devices), allow_cpu_devices=True)
@@ -100,7 +101,14 @@ def run_study(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
             logdir = os.path.join(args.out, "runs", name)
             config = run_config(args, cell, seed, logdir, num_train)
             trainer = Trainer(config, devices[:cell.devices])
-            summary = trainer.fit(log=lambda _: None, progress=False)
+            started_run = time.perf_counter()
+            try:
+                summary = trainer.fit(log=lambda _: None, progress=False)
+            except NonFiniteError as err:  # a diverged configuration is a result, not a crash
+                epoch = err.step / (num_train / config.global_batch_size)
+                summary = {"steps": err.step, "train_loss": float("nan"), "val_top1_error": 1.0,
+                           "wall_s": time.perf_counter() - started_run,
+                           "val_history": [[epoch, 1.0]], "diverged": str(err)}
             record = dict(dataclasses.asdict(cell), seed=seed, label=cell.label(args.batch_size),
                           scheme=cell.scheme, logdir=logdir, **summary)
             runs.append(record)
@@ -148,6 +156,7 @@ def summarize(runs: List[Dict[str, object]]) -> List[Dict[str, object]]:
             "min_pp": min(errs), "max_pp": max(errs),
             "delta_pp": None if base_mean is None else mean - base_mean,
             "wall_s": statistics.mean(float(r["wall_s"]) for r in rs),
+            "diverged": sum(1 for r in rs if r.get("diverged")),
         })
     return rows
 
@@ -183,9 +192,10 @@ def markdown(rows: List[Dict[str, object]], args: argparse.Namespace) -> str:
         k, b = r["devices"], args.batch_size
         fc = b * k if r["fc_rule"] == GLOBAL_FC else b
         delta = "—" if r["delta_pp"] is None or k == 1 else f"{r['delta_pp']:+.2f}"
+        diverged = f" ({r['diverged']} diverged: counted as 100 %)" if r.get("diverged") else ""
         lines.append(f"| {k} | ({b * k}, {fc}) | {r['scaling'] if k > 1 else '—'} | "
-                     f"{r['error_pp']:.2f} ± {r['std_pp']:.2f} [{r['min_pp']:.2f}, {r['max_pp']:.2f}] | "
-                     f"{delta} | {r['wall_s']:.1f} |")
+                     f"{r['error_pp']:.2f} ± {r['std_pp']:.2f} [{r['min_pp']:.2f}, {r['max_pp']:.2f}]"
+                     f"{diverged} | {delta} | {r['wall_s']:.1f} |")
     lines += ["", *[f"- {v}" for v in verdicts(rows)]]
     return "\n".join(lines) + "\n"
 

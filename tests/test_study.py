@@ -83,3 +83,13 @@ def test_bad_flags_fail_in_one_line(tmp_path, args, flag):
     errors = [l for l in proc.stderr.splitlines() if "error" in l]
     assert len(errors) == 1 and flag in errors[0], proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_diverged_run_counts_as_full_error_and_is_marked():
+    runs = [_run(1, "worker", "none", 0, 0.02), _run(2, "global", "linear", 0, 0.03),
+            dict(_run(2, "global", "linear", 1, 1.0), diverged="step 5: non-finite loss")]
+    rows = {r["label"]: r for r in study.summarize(runs)}
+    row = rows["K=2 (32, 32) linear"]
+    assert row["diverged"] == 1 and row["error_pp"] == pytest.approx(51.5)
+    args = SimpleNamespace(model="m", dataset="d", epochs=1.0, batch_size=16, lr=0.01, seeds=2)
+    assert "(1 diverged: counted as 100 %)" in study.markdown(list(rows.values()), args)
