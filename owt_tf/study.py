@@ -80,35 +80,50 @@ def run_config(args: argparse.Namespace, cell: StudyConfig, seed: int, logdir: s
         log_every=10, histogram_every=0, jit=False)
 
 
-def run_study(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
-    """Trains every configuration for every seed in this process; returns one record per run."""
-    from owt_tf.data.datasets import load_dataset
+def train_one(config: RunConfig, num_train: int) -> Dict[str, object]:
+    """One run, start to end, in the calling process (a fresh one: see run_study)."""
     from owt_tf.devices import setup_devices
-    from owt_tf.models import build_model
     from owt_tf.training.guard import NonFiniteError
     from owt_tf.training.loop import Trainer
 
-    devices = setup_devices(max(args.devices), allow_cpu_devices=True)
+    trainer = Trainer(config, setup_devices(config.devices, config.allow_cpu_devices))
+    started = time.perf_counter()
+    try:
+        return trainer.fit(log=lambda _: None, progress=False)
+    except NonFiniteError as err:  # a diverged configuration is a result, not a crash
+        epoch = err.step / (num_train / config.global_batch_size)
+        return {"steps": err.step, "train_loss": float("nan"), "val_top1_error": 1.0,
+                "wall_s": time.perf_counter() - started, "val_history": [[epoch, 1.0]],
+                "diverged": str(err)}
+
+
+def run_study(args: argparse.Namespace, log=print) -> List[Dict[str, object]]:
+    """Trains every configuration for every seed; returns one record per run.
+
+    Each run gets a fresh process, so runs stay independent: strategies and their collective
+    thread pools outlive a run inside one process, and one process running all 39 default
+    runs stalled for ~270 s inside a training step in three of them.
+    """
+    import concurrent.futures
+    import multiprocessing
+
+    from owt_tf.data.datasets import load_dataset
+    from owt_tf.models import build_model
+
     shape = build_model(args.model, num_classes=10).input_shape
     num_train = load_dataset(args.dataset, shape, data_dir=args.data_dir,
                              manual_dir=args.manual_dir).num_train
     cells = study_configs(args.devices, args.scalings)
     runs, total = [], len(cells) * args.seeds
     started = time.perf_counter()
+    spawn = multiprocessing.get_context("spawn")
     for cell in cells:
         for seed in range(args.seeds):
             name = f"k{cell.devices}-{cell.fc_rule}-{cell.scaling}-seed{seed}"
             logdir = os.path.join(args.out, "runs", name)
             config = run_config(args, cell, seed, logdir, num_train)
-            trainer = Trainer(config, devices[:cell.devices])
-            started_run = time.perf_counter()
-            try:
-                summary = trainer.fit(log=lambda _: None, progress=False)
-            except NonFiniteError as err:  # a diverged configuration is a result, not a crash
-                epoch = err.step / (num_train / config.global_batch_size)
-                summary = {"steps": err.step, "train_loss": float("nan"), "val_top1_error": 1.0,
-                           "wall_s": time.perf_counter() - started_run,
-                           "val_history": [[epoch, 1.0]], "diverged": str(err)}
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                summary = pool.submit(train_one, config, num_train).result()
             record = dict(dataclasses.asdict(cell), seed=seed, label=cell.label(args.batch_size),
                           scheme=cell.scheme, logdir=logdir, **summary)
             runs.append(record)
