@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -73,6 +74,7 @@ class Hardware:
     source: str = ""
 
 
+@functools.lru_cache(maxsize=None)
 def _k20_sustained_flops() -> float:
     """FLOP/s at which cuda-convnet2 ran on a K20: PAPER.md's 1-GPU row, priced with this model."""
     net = network_cost("alexnet", 1000)

@@ -47,20 +47,18 @@ def test_small_study_end_to_end(tmp_path):
     out = tmp_path / "study"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run(
-        [sys.executable, "-m", "owt_tf.study", "--devices", "2", "--seeds", "2", "--epochs", "1",
+        [sys.executable, "-m", "owt_tf.study", "--devices", "2", "--seeds", "1", "--epochs", "1",
          "--scalings", "sqrt", "--out", str(out)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     runs = results["runs"]
-    assert len(runs) == 3 * 2  # K=1 added; K=2 under both batch rules; two seeds each
+    assert len(runs) == 3  # K=1 added; K=2 under both batch rules
     for r in runs:
         assert 0.0 <= r["val_top1_error"] <= 1.0
         assert r["val_history"][-1][1] == pytest.approx(r["val_top1_error"])
         assert r["val_history"][-1][0] == pytest.approx(1.0, abs=0.05)
         assert os.path.isdir(r["logdir"])
-    # seeds are different networks and data orders
-    k1 = [r["train_loss"] for r in runs if r["devices"] == 1]
-    assert len(k1) == 2 and k1[0] != k1[1]
+    assert [r["scheme"] for r in runs] == ["single", "owt-a", "owt-c"]
     table = (out / "study.md").read_text()
     for row in results["rows"]:
         errs = [100 * r["val_top1_error"] for r in runs if r["label"] == row["label"]]
