@@ -181,8 +181,13 @@ def verdicts(rows: List[Dict[str, object]]) -> List[str]:
     lines = []
     for r in rows:
         if r["devices"] > 1 and r["fc_rule"] == WORKER_FC and r["delta_pp"] is not None:
-            ok = "within" if abs(r["delta_pp"]) <= WITHIN_PP else "NOT within"
-            lines.append(f"{r['label']}: {r['delta_pp']:+.2f} pp vs K=1, {ok} {WITHIN_PP} pp")
+            if abs(r["delta_pp"]) <= WITHIN_PP:
+                verdict = f"within {WITHIN_PP} pp"
+            elif r["delta_pp"] > 0:
+                verdict = f"NOT within {WITHIN_PP} pp (worse)"
+            else:
+                verdict = f"better than K=1 by more than {WITHIN_PP} pp"
+            lines.append(f"{r['label']}: {r['delta_pp']:+.2f} pp vs K=1, {verdict}")
     top = max((r["devices"] for r in rows), default=1)
     for scaling in sorted({r["scaling"] for r in rows if r["devices"] == top and top > 1}):
         pair = {r["fc_rule"]: r for r in rows if r["devices"] == top and r["scaling"] == scaling}
