@@ -144,8 +144,9 @@ class StreamDataset:
     """Images streamed and decoded by tf.data, AlexNet-augmented for training.
 
     Subclasses provide `_train_records(seed, skip)` (endless, shuffled (record, label) pairs,
-    the first `skip` dropped), `_decode(record, label)` -> (uint8 image, int32 label),
-    `_val_records()` (one pass), plus num_classes, num_train and name. Records are file
+    the first `skip` dropped), `_ordered_train_records()` (one pass, stored order),
+    `_decode(record, label)` -> (uint8 image, int32 label), `_val_records()` (one pass), plus
+    num_classes, num_train and name. Records are file
     names or encoded bytes: nothing skipped is ever decoded."""
 
     name: str
@@ -186,8 +187,9 @@ class StreamDataset:
         return ds.batch(global_batch, drop_remainder=True).prefetch(2)
 
     def _readable(self) -> tf.data.Dataset:
-        """One pass over the training records, decoded, unreadable ones dropped."""
-        return self._train_records(0, 0).take(self.num_train).map(self._decode).ignore_errors()
+        """One pass over the training records in stored order (no shuffle buffer to fill),
+        decoded, unreadable ones dropped."""
+        return self._ordered_train_records().map(self._decode).ignore_errors()
 
     def _check_readable(self) -> None:
         """Fails at once when no training image decodes (the endless stream would spin on)."""
@@ -266,6 +268,9 @@ class FolderDataset(StreamDataset):
         files = files.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True)
         return files.repeat().skip(skip)
 
+    def _ordered_train_records(self) -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices((self.train_files, self.train_file_labels))
+
     def _val_records(self) -> tf.data.Dataset:
         return tf.data.Dataset.from_tensor_slices((self.val_files, self.val_file_labels))
 
@@ -330,6 +335,9 @@ class TfdsDataset(StreamDataset):
     def _train_records(self, seed: int, skip: int) -> tf.data.Dataset:
         ds = self._encoded("train", seed)
         return ds.shuffle(min(self.num_train, 10_000), seed=seed).repeat().skip(skip)
+
+    def _ordered_train_records(self) -> tf.data.Dataset:
+        return self._encoded("train", None)
 
     def _val_records(self) -> tf.data.Dataset:
         return self._encoded(self.val_split, None)
