@@ -454,16 +454,6 @@ def format_layers(net: NetworkCost) -> str:
     return "\n".join(lines)
 
 
-def _devices(text: str) -> List[int]:
-    try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not ks or any(k < 1 for k in ks):
-        raise argparse.ArgumentTypeError(f"device counts must be >= 1, got {text!r}")
-    return ks
-
-
 def _positive(kind):
     def parse(text):
         value = kind(text)
@@ -474,14 +464,14 @@ def _positive(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from owt_tf.train import OneLineParser
+    from owt_tf.train import OneLineParser, device_counts
 
     p = OneLineParser(prog="python -m owt_tf.plan", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODEL_NAMES, default="alexnet")
     p.add_argument("--classes", type=_positive(int), default=1000)
     p.add_argument("--image-size", type=_positive(int), default=None)
-    p.add_argument("--devices", type=_devices, default=[1, 2, 4, 8], help="K values, e.g. 1,2,4,8")
+    p.add_argument("--devices", type=device_counts, default=[1, 2, 4, 8], help="K values, e.g. 1,2,4,8")
     p.add_argument("--batch-size", type=_positive(int), default=128, help="examples per worker (B)")
     p.add_argument("--hardware", choices=HARDWARE_NAMES, default="k20-pcie",
                    help="a preset; --flops/--link-bandwidth/--latency override its numbers")

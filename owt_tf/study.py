@@ -254,16 +254,11 @@ def plot(runs: List[Dict[str, object]], path: str, scalings: Sequence[str]) -> N
     plt.close(fig)
 
 
-def _devices(text: str) -> List[int]:
-    try:
-        ks = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not ks or ks[0] < 1:
-        raise argparse.ArgumentTypeError(f"device counts must be >= 1, got {text!r}")
-    if ks[0] != 1:
-        ks = [1] + ks  # K=1 is what every other row is compared with
-    return ks
+def _devices_with_one(text: str) -> List[int]:
+    """--devices, sorted, with K=1 added: every other row is compared with it."""
+    from owt_tf.train import device_counts
+
+    return sorted(set(device_counts(text)) | {1})
 
 
 def _scalings(text: str) -> List[str]:
@@ -283,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="digits", help="as for train: digits, folder:PATH, tfds:NAME, imagenet2012")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--manual-dir", default=None)
-    p.add_argument("--devices", type=_devices, default=[1, 2, 4, 8], help="K values (1 is always added)")
+    p.add_argument("--devices", type=_devices_with_one, default=[1, 2, 4, 8], help="K values (1 is always added)")
     p.add_argument("--batch-size", type=int, default=16, help="B, the paper's 128 scaled to the data")
     p.add_argument("--epochs", type=float, default=10.0)
     p.add_argument("--seeds", type=int, default=3)

@@ -69,6 +69,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def device_counts(text: str) -> List[int]:
+    """argparse type for a list of K values, e.g. "1,2,4,8" (the plan and study tools)."""
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ks or any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"device counts must be >= 1, got {text!r}")
+    return ks
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m owt_tf.train", description=__doc__,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -58,13 +58,10 @@ def test_k20_preset_reproduces_the_one_gpu_time(alexnet):
     assert 0 < hw.flops < plan.K20_PEAK_FLOPS
 
 
-def test_predicted_time_adds_up(alexnet):
+def test_only_the_round_schemes_overlap_exchange_with_fc_work(alexnet):
     hw = plan.preset("k20-pcie")
     for scheme in ("data", "owt-a", "owt-b", "owt-c"):
         p = plan.predict(alexnet, hw, scheme, 4, 128)
-        assert p.step_time_s == pytest.approx(p.compute_s + p.communication_s - p.hidden_s)
-        assert p.images_per_sec == pytest.approx(4 * 128 / p.step_time_s)
-        # only the round schemes overlap their exchanges with FC work
         assert (p.hidden_s > 0) == (scheme in ("owt-b", "owt-c"))
         assert p.hidden_s <= p.communication_s
 

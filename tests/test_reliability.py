@@ -134,7 +134,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_skip_nonfinite_undoes_the_step_exactly(devices, tmp_path):
     from owt_tf.config import RunConfig
-    from owt_tf.training.guard import NonFiniteError
+    from owt_tf.training.guard import NonFiniteError, is_mirrored
     from owt_tf.training.loop import Trainer
 
     config = RunConfig(devices=2, scheme="owt-b", fc_batch="worker", batch_size=8, steps=10,
@@ -153,14 +153,21 @@ def test_skip_nonfinite_undoes_the_step_exactly(devices, tmp_path):
     trainer._train_batches = Poisoned()
     for _ in range(2):
         assert trainer.train_step().nonfinite is None
-    before = {k: v.numpy().copy() for k, v in zip(range(10**6), trainer._state_variables())}
+    def every_copy():
+        """Each variable's value on every device it lives on (mirrored: one per replica)."""
+        strategy = trainer.hybrid.strategy
+        return [np.array(x) for v in trainer._state_variables()
+                for x in strategy.experimental_local_results(v.value if is_mirrored(v) else v)]
+
+    before = every_copy()
     m = trainer.train_step()
     # NaN pixels: ReLU and max-pool drop them forward (the loss stays finite), but conv1's
     # kernel gradient multiplies by them
     assert m.nonfinite == "gradient of alexnet_tiny_trunk/conv1/kernel" and int(trainer.skipped_steps) == 1
     assert int(trainer.step) == 3
-    after = {k: v.numpy() for k, v in zip(range(10**6), trainer._state_variables())}
-    assert all(np.array_equal(before[k], after[k]) for k in before)
+    after = every_copy()
+    assert len(after) > len(trainer._state_variables())  # the mirrored ones counted per replica
+    assert all(np.array_equal(b, a) for b, a in zip(before, after))
     with pytest.raises(NonFiniteError, match="step 4: non-finite gradient of .*conv1/kernel"):
         trainer.train_step()
 

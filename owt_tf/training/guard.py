@@ -16,6 +16,7 @@ import signal
 import threading
 from typing import List, Optional, Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -52,6 +53,12 @@ def first_nonfinite(flags: np.ndarray, names: Sequence[str]) -> Optional[str]:
     return names[bad[0]]
 
 
+def is_mirrored(variable) -> bool:
+    """Whether `variable` (a tf.Variable, or a Keras variable wrapping one) has a copy per replica."""
+    backing = variable.value if isinstance(variable, keras.Variable) else variable
+    return isinstance(backing, tf.distribute.DistributedValues)
+
+
 class StepSnapshot:
     """An on-device copy of variables, taken before a step and put back to undo it."""
 
@@ -59,8 +66,7 @@ class StepSnapshot:
         self._variables: List[tf.Variable] = list(variables)
         self._copies: List[tf.Variable] = []
         for v in self._variables:
-            backing = getattr(v, "value", v)  # a Keras variable wraps the tf.Variable
-            if isinstance(backing, tf.distribute.DistributedValues):
+            if is_mirrored(v):
                 with strategy.scope():
                     copy = tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
             else:
