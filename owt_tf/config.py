@@ -63,13 +63,35 @@ class RunConfig:
     allow_cpu_devices: bool = True
     deterministic: bool = False  # op determinism: a resumed run is bit-identical
     skip_nonfinite: int = 0  # steps with a non-finite loss or gradient to undo before stopping
+    cluster: Optional[str] = None  # host:port,... of every worker (else TF_CONFIG, else local)
+    task_index: Optional[int] = None  # this worker's place in --cluster
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
 
+    def resolved_cluster(self):
+        """The multi-worker cluster of this run (--cluster, else TF_CONFIG), or None."""
+        from owt_tf.cluster import ClusterError, resolve_cluster
+
+        try:
+            return resolve_cluster(self.cluster, self.task_index)
+        except ClusterError as err:
+            flag, _, message = str(err).partition(": ")
+            raise ConfigError(flag, message) from None
+
+    @property
+    def num_workers(self) -> int:
+        cluster = self.resolved_cluster()
+        return cluster.num_workers if cluster else 1
+
+    @property
+    def num_replicas(self) -> int:
+        """K: --devices on each of the workers."""
+        return self.devices * self.num_workers
+
     @property
     def global_batch_size(self) -> int:
-        return self.batch_size * self.devices
+        return self.batch_size * self.num_replicas
 
     @property
     def fc_batch_size(self) -> int:
@@ -78,7 +100,7 @@ class RunConfig:
 
     @property
     def conv_lr(self) -> float:
-        return self.lr * lr_scale(self.conv_lr_scaling, self.devices)
+        return self.lr * lr_scale(self.conv_lr_scaling, self.num_replicas)
 
     @property
     def fc_lr(self) -> float:
@@ -112,19 +134,20 @@ class RunConfig:
         _positive_int("--devices", self.devices)
         _positive_int("--batch-size", self.batch_size)
         _positive_int("--steps", self.steps)
-        if self.scheme == "single" and self.devices != 1:
-            raise ConfigError("--devices", f"scheme 'single' runs on 1 device, got {self.devices}")
+        k = self.num_replicas
+        if self.scheme == "single" and k != 1:
+            raise ConfigError("--devices", f"scheme 'single' runs on 1 device, got {k}")
         if self.fc_batch == "worker" and self.scheme not in ("owt-b", "owt-c", "single"):
             raise ConfigError(
                 "--fc-batch",
                 f"'worker' needs scheme owt-b or owt-c (rounds of one worker's batch), "
                 f"got {self.scheme}",
             )
-        if self.scheme == "owt-c" and self.batch_size % self.devices:
+        if self.scheme == "owt-c" and self.batch_size % k:
             raise ConfigError(
                 "--batch-size",
-                f"owt-c sends batch_size/devices examples per round: {self.batch_size} is not "
-                f"divisible by {self.devices}",
+                f"owt-c sends batch_size/K examples per round: {self.batch_size} is not "
+                f"divisible by K = {k}",
             )
         for flag, value in (("--lr", self.lr), ("--weight-decay", self.weight_decay)):
             if not (math.isfinite(value) and value >= 0):
@@ -155,6 +178,9 @@ class RunConfig:
                               "gradient is not deterministic); drop one of them")
         if self.logdir is not None:
             _check_writable("--logdir", self.logdir)
+        elif self.num_workers > 1:
+            raise ConfigError("--logdir", "a multi-worker run needs one, the same on every "
+                              "worker (python -m owt_tf.launch picks one when not given)")
         return self
 
 
@@ -196,9 +222,9 @@ class RunConfig:
         if self.scheme == "data":
             return
         for width in build_model(self.model, num_classes=2).head.hidden:
-            if width % self.devices:
+            if width % self.num_replicas:
                 raise ConfigError("--devices", f"model {self.model}'s FC width {width} is not "
-                                  f"divisible by {self.devices} devices")
+                                  f"divisible by K = {self.num_replicas} devices")
 
 
 PRESETS = {

@@ -3,12 +3,19 @@
 K GPUs when the machine has them, else K logical CPUs carved out of the host CPU. Logical
 devices can only be configured before TensorFlow initializes its runtime, so entry points
 call `setup_devices` before anything else touches TensorFlow ops.
+
+One process: MirroredStrategy over the devices. A cluster (owt_tf.cluster): TensorFlow's
+MultiWorkerMirroredStrategy (gRPC collectives, TF_CONFIG-style cluster), with this
+worker's D devices as its local replicas; K = W * D.
 """
 from __future__ import annotations
 
 from typing import List, Sequence
 
 import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
+
+from owt_tf.cluster import Cluster
 
 
 class DeviceError(RuntimeError):
@@ -83,3 +90,80 @@ def _with_fresh_collective_keys(make):
         return make()
     finally:
         cls._collective_key_base = saved
+
+
+def replica_devices(cluster: Cluster, local_devices: Sequence[str]) -> List[str]:
+    """Every replica's device in global order: each task's local devices, task by task."""
+    return [f"{cluster.task_name_of(w)}{device}" for w in range(cluster.num_workers)
+            for device in local_devices]
+
+
+def make_multiworker_strategy(cluster: Cluster,
+                              local_devices: Sequence[str]) -> tf.distribute.MultiWorkerMirroredStrategy:
+    """MultiWorkerMirroredStrategy over the cluster, with `local_devices` on this worker.
+
+    Starts this task's gRPC server; collectives then wait for every task of the cluster.
+    """
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster.spec()), task_type=cluster.task_type,
+        task_id=cluster.task_index, rpc_layer="grpc")
+    _configure_coordination(cluster)
+    try:
+        return _LocalDevicesMultiWorkerStrategy(resolver, list(local_devices))
+    except RuntimeError as err:
+        if "configured at program startup" not in str(err):
+            raise
+        raise DeviceError("a multi-worker strategy must be built before any TensorFlow op "
+                          "runs in the process") from err
+
+
+# How long a task may stop answering before the coordination service declares it dead and
+# every other task's collectives are aborted (the default of 10 s is kept, said here).
+HEARTBEAT_TIMEOUT_S = 10
+# At exit a task waits this long for the others: a task that leaves first would make the
+# others' heartbeats fail ("Failed to send RPC to coordination service").
+SHUTDOWN_BARRIER_TIMEOUT_S = 30
+
+
+def _configure_coordination(cluster: Cluster) -> None:
+    """TensorFlow's coordination service as MultiWorkerMirroredStrategy would configure it
+    (it does so only when nobody has), plus a shutdown barrier."""
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.eager import context
+
+    first_job, _ = cluster.jobs[0]
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader=f"/job:{first_job}/replica:0/task:0",
+        heartbeat_timeout_in_ms=HEARTBEAT_TIMEOUT_S * 1000,
+        shutdown_barrier_timeout_in_ms=SHUTDOWN_BARRIER_TIMEOUT_S * 1000,
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(addr))
+                          for job, addr in cluster.jobs])
+
+
+class _LocalDevicesExtended(_mwms.CollectiveAllReduceExtended):
+    """Stock MultiWorkerMirroredStrategy gives a worker without GPUs exactly one replica
+    (`_initialize_local_devices`: `num_local_devices = 1` for CPU), whatever logical CPU
+    devices exist, so D > 1 logical CPUs per worker cannot be had with it. The rest of the
+    strategy (group size = W * local devices, replica ids task by task) is general; only
+    the local device list is ours."""
+
+    def __init__(self, container_strategy, cluster_resolver, communication_options,
+                 local_devices: Sequence[str]):
+        self._owt_local_devices = [tf.DeviceSpec.from_string(d) for d in local_devices]
+        super().__init__(container_strategy, cluster_resolver, communication_options)
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        names = tuple(f"{worker_device}/device:{d.device_type}:{d.device_index}"
+                      for d in self._owt_local_devices)
+        return names, self._owt_local_devices[0].device_type
+
+
+class _LocalDevicesMultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """MultiWorkerMirroredStrategy whose workers each replicate over given local devices."""
+
+    def __init__(self, cluster_resolver, local_devices: Sequence[str]):
+        options = tf.distribute.experimental.CommunicationOptions()
+        # tf.distribute.Strategy's own constructor, with our extended object in place of
+        # the one MultiWorkerMirroredStrategy.__init__ would build.
+        tf.distribute.Strategy.__init__(
+            self, _LocalDevicesExtended(self, cluster_resolver, options, local_devices))

@@ -39,7 +39,7 @@ def build_serving_module(model, mean: Sequence[float], std: Sequence[float]):
     trunk = keras.models.clone_model(model.trunk)
     trunk.set_weights(model.trunk.get_weights())
     layers = [(tf.Variable(k, name=f"fc{i}_kernel"), tf.Variable(b, name=f"fc{i}_bias"))
-              for i, (k, b) in enumerate(model.head.full_weights())]
+              for i, (k, b) in enumerate(model.full_weights()["head"])]
     height, width, channels = spec.input_shape
     classes = spec.head.num_classes
 

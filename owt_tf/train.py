@@ -21,7 +21,8 @@ HELP = {
     "data_dir": "where prepared TFDS datasets live",
     "download": "let TFDS download and prepare a tfds:NAME dataset that is not prepared yet",
     "manual_dir": "imagenet2012: the folder holding ILSVRC2012_img_train.tar and _val.tar",
-    "devices": "K: number of workers (GPUs, else logical CPU devices)",
+    "devices": "devices per process (GPUs, else logical CPU devices); K = this x the cluster's "
+               "workers",
     "scheme": "single | data (pure data parallel) | owt-a | owt-b | owt-c (PAPER.md)",
     "batch_size": "examples per worker per step (B); the global batch is B*K",
     "fc_batch": "global: FC updated once per step on B*K; worker: after every round on B (b, c)",
@@ -51,15 +52,20 @@ HELP = {
                      "killed and resumed ends bit-identical to one never stopped; not with --jit",
     "skip_nonfinite": "undo and skip up to N steps whose loss or gradient is not finite, "
                       "then stop (0: stop at the first)",
+    "cluster": "host:port of every worker, comma-separated, for a multi-worker run (default: "
+               "TF_CONFIG if set, else one process); every worker runs the same command",
+    "task_index": "this worker's place in --cluster (0 is the chief)",
 }
 CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
            "loss": LOSS_MODES, "conv_lr_scaling": LR_SCALINGS}
 
 
 # Exit codes: 0 done, 2 bad flags or input (nothing written), 3 non-finite loss or gradient,
-# 4 a checkpoint could not be written, 128+N ended by signal N after saving a checkpoint.
+# 4 a checkpoint could not be written, 5 another worker of the cluster is gone (restart all
+# to resume), 128+N ended by signal N after saving a checkpoint.
 EXIT_NONFINITE = 3
 EXIT_WRITE = 4
+EXIT_WORKER_LOST = 5
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -94,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         kind = type(default) if default is not None else str
         if field.name == "epochs":
             kind = float
+        elif field.name == "task_index":
+            kind = int
         parser.add_argument(flag, type=kind, default=default, help=HELP[field.name],
                             choices=CHOICES.get(field.name))
     parser.add_argument("--preset", choices=tuple(PRESETS), default="demo",
@@ -128,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from owt_tf.training.loop import Trainer
 
     from owt_tf.training.checkpoint import CheckpointWriteError
-    from owt_tf.training.guard import Interrupted, NonFiniteError
+    from owt_tf.training.guard import Interrupted, NonFiniteError, WorkerLost
 
     try:
         trainer = Trainer(config)
@@ -145,6 +153,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CheckpointWriteError as err:
         print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
         return EXIT_WRITE
+    except WorkerLost as err:
+        print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
+        return EXIT_WORKER_LOST
     return 0
 
 

@@ -10,8 +10,8 @@ CollectiveAllReduce (CPU) and NCCL (GPU) use, as PAPER.md counts them:
     reduce-scatter of a tensor of T bytes:                  (K-1)/K * T
 
 Shapes are static, so the ledger is filled once, while a step function is traced; the
-backward collectives are counted as their gradient functions are traced. Only replica 0
-records: the count is per worker.
+backward collectives are counted as their gradient functions are traced. Only each
+process's first replica records: the count is per worker (replica), the same for all.
 
 The wrappers define their own gradients with tf.custom_gradient so that the backward
 collective is issued (and counted) here too; ReplicaContext.all_gather's built-in gradient
@@ -96,8 +96,9 @@ def recording(ledger: TrafficLedger) -> Iterator[TrafficLedger]:
 
 
 def record(purpose: str, op: str, nbytes: Fraction) -> None:
-    """Adds bytes for a collective issued elsewhere (Keras' gradient all-reduce), replica 0 only."""
-    if _recording and _replica_id() == 0:
+    """Adds bytes for a collective issued elsewhere (Keras' gradient all-reduce); counted by
+    this process's first replica only."""
+    if _recording and _local_replica_id() == 0:
         _recording[-1].add(purpose, op, nbytes)
 
 
@@ -116,6 +117,14 @@ def _replica_id() -> Optional[int]:
     if rid is None:
         raise RuntimeError("owt_tf needs a static replica id (MirroredStrategy traces per replica)")
     return int(rid)
+
+
+def _local_replica_id() -> Optional[int]:
+    """The replica's index among this process's replicas (a cluster numbers them task by task)."""
+    rid = _replica_id()
+    if rid is None:
+        return None
+    return rid % len(_ctx().strategy.extended.worker_devices)
 
 
 def num_replicas() -> int:
@@ -159,7 +168,7 @@ def _launcher():
     if launchers is None:
         raise RuntimeError("owt_tf needs MirroredStrategy with collective ops (CollectiveAllReduce); "
                            f"got {type(cross_device_ops).__name__}")
-    return launchers[replica_id()]
+    return launchers[_local_replica_id()]
 
 
 def _reduce_scatter_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
@@ -248,3 +257,11 @@ def gather_labels(y: tf.Tensor) -> tf.Tensor:
     if num_replicas() == 1:
         return y
     return _all_gather_counted(y, 0, LABELS)
+
+
+def gather_shard_values(values: list) -> list:
+    """Every replica's `values` (a list of tensors, the same shapes on every replica), each
+    stacked over replicas in replica order: [K, ...]. Not differentiable, not counted in the
+    step's ledger: it serves checkpoints and exports, between steps."""
+    ctx = _ctx()
+    return [ctx.all_gather(tf.expand_dims(v, 0), axis=0) for v in values]

@@ -13,7 +13,7 @@ drops them. Hidden widths must be divisible by K.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -45,12 +45,14 @@ def padded(n: int, k: int) -> int:
 class ShardedDense(tf.Module):
     """One FC layer as K kernel/bias shards, shard k on devices[k].
 
-    With devices == [None] (pure data parallelism) it is a single unsplit layer whose
-    variables the caller creates under strategy.scope(), i.e. mirrored.
+    In a multi-worker run a process holds only the shards of its own devices (`local`):
+    the others live in other processes. With devices == [None] (pure data parallelism) it
+    is a single unsplit layer whose variables the caller creates under strategy.scope(),
+    i.e. mirrored.
     """
 
     def __init__(self, name: str, kernel: np.ndarray, bias: np.ndarray, split: str,
-                 devices: Sequence[Optional[str]]):
+                 devices: Sequence[Optional[str]], local: Optional[Sequence[int]] = None):
         super().__init__(name=name)
         self.split = split
         self.in_dim, self.out_dim = kernel.shape
@@ -59,13 +61,14 @@ class ShardedDense(tf.Module):
         if split == ROW and (self.in_dim % k or self.out_dim % k):
             raise ValueError(f"{name}: row split needs in ({self.in_dim}) and out "
                              f"({self.out_dim}) divisible by {k}")
+        self.local_shards: List[int] = list(range(k) if local is None else local)
         kernel_parts, bias_parts = self.split_full(kernel, bias)
-        self.kernels: List[tf.Variable] = []
-        self.biases: List[tf.Variable] = []
-        for i, device in enumerate(devices):
-            with tf.device(device):
-                self.kernels.append(tf.Variable(kernel_parts[i], name=f"{name}_kernel_{i}"))
-                self.biases.append(tf.Variable(bias_parts[i], name=f"{name}_bias_{i}"))
+        self.kernels: Dict[int, tf.Variable] = {}
+        self.biases: Dict[int, tf.Variable] = {}
+        for i in self.local_shards:
+            with tf.device(devices[i]):
+                self.kernels[i] = tf.Variable(kernel_parts[i], name=f"{name}_kernel_{i}")
+                self.biases[i] = tf.Variable(bias_parts[i], name=f"{name}_bias_{i}")
 
     def split_full(self, kernel: np.ndarray, bias: np.ndarray) -> Tuple[List[np.ndarray], List[np.ndarray]]:
         """A whole (kernel, bias) -- weights or momenta -- cut into this layer's shards, padded."""
@@ -76,10 +79,6 @@ class ShardedDense(tf.Module):
 
     def shard_variables(self, k: int) -> List[tf.Variable]:
         return [self.kernels[k], self.biases[k]]
-
-    def full_weights(self) -> Tuple[np.ndarray, np.ndarray]:
-        """The whole layer, shards concatenated and padding dropped (as numpy)."""
-        return assemble(self, [v.numpy() for v in self.kernels], [v.numpy() for v in self.biases])
 
     def forward_shard(self, x: tf.Tensor, k: int) -> tf.Tensor:
         """x @ kernel_k + bias_k. For ROW, x is this shard's input slice and the bias slice
@@ -99,12 +98,23 @@ def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
     return kernel[:, :layer.out_dim], bias[:layer.out_dim]
 
 
+# Reads the values of every shard's variables, given this process's own shards' variables
+# by shard index: [values of shard 0's variables, ..., of shard K-1's]. In one process a
+# plain read; in a cluster a collective gather (HybridStrategy.read_shards).
+ShardReader = Callable[[Dict[int, List[tf.Variable]]], List[List[np.ndarray]]]
+
+
+def read_local_shards(per_shard: Dict[int, List[tf.Variable]]) -> List[List[np.ndarray]]:
+    """The ShardReader of a process that holds every shard."""
+    return [[v.numpy() for v in per_shard[k]] for k in sorted(per_shard)]
+
+
 class ShardedHead(tf.Module):
     """The FC layers of a HeadSpec, split for K shards, with the FC-to-FC exchange and loss."""
 
     def __init__(self, spec: HeadSpec, full_weights: Sequence[Tuple[np.ndarray, np.ndarray]],
                  devices: Sequence[Optional[str]], fc_exchange: str = "gather",
-                 loss: str = "gathered"):
+                 loss: str = "gathered", local: Optional[Sequence[int]] = None):
         super().__init__(name="head")
         k = len(devices)
         for width in spec.hidden:
@@ -115,15 +125,19 @@ class ShardedHead(tf.Module):
         self.loss_mode = loss
         plan = split_plan(len(spec.widths), fc_exchange)
         self.layers = [
-            ShardedDense(f"fc{i}", kern, bias, split, devices)
+            ShardedDense(f"fc{i}", kern, bias, split, devices, local)
             for i, ((kern, bias), split) in enumerate(zip(full_weights, plan))
         ]
+        self.local_shards: List[int] = self.layers[0].local_shards
 
     def shard_variables(self, k: int) -> List[tf.Variable]:
         return [v for layer in self.layers for v in layer.shard_variables(k)]
 
-    def full_weights(self) -> List[Tuple[np.ndarray, np.ndarray]]:
-        return [layer.full_weights() for layer in self.layers]
+    def full_weights(self, read: ShardReader = read_local_shards) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """Every layer whole, as (kernel, bias) numpy arrays, padding dropped."""
+        values = read({k: self.shard_variables(k) for k in self.local_shards})
+        return [assemble(layer, [v[2 * i] for v in values], [v[2 * i + 1] for v in values])
+                for i, layer in enumerate(self.layers)]
 
     def forward(self, x: tf.Tensor, k: int, training: bool, seed: Optional[tf.Tensor]) -> tf.Tensor:
         """Rows `x` (the same on every replica) through the FC layers; returns shard k's logits.

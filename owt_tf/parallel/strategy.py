@@ -5,6 +5,11 @@ its gradients all-reduced) and adds what tf.distribute has no notion of: FC laye
 shards live one per device (owt_tf.parallel.shards), activations moved between replicas
 by a scheme (owt_tf.parallel.schemes), and the byte ledger of everything exchanged.
 
+Across processes (a `Cluster`) the wrapped strategy is MultiWorkerMirroredStrategy: the
+same replica function runs on every worker's devices, K = W * D replicas in all; FC shard
+j lives on global replica j's device, so each process creates and updates only its own
+shards, and reads the others' (checkpoints, exports) with a collective gather.
+
 Usage (train_step inside a tf.function):
 
     hybrid = HybridStrategy(devices, "owt-b", batch_size=128, fc_batch="worker")
@@ -22,11 +27,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.devices import make_strategy
+from owt_tf.cluster import Cluster
+from owt_tf.devices import make_multiworker_strategy, make_strategy, replica_devices
 from owt_tf.models.spec import ModelSpec, initial_head_weights, initial_trunk_weights
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.schemes import SchemePlan, run_fc_rounds
-from owt_tf.parallel.shards import ShardedHead, assemble
+from owt_tf.parallel.shards import ShardedHead, ShardReader, assemble, read_local_shards
 from owt_tf.training.optim import MirroredSGD, ShardSGD
 
 
@@ -37,15 +43,18 @@ class DistributedModel:
     spec: ModelSpec
     trunk: keras.Model
     head: ShardedHead
+    # How this process reads every FC shard (a collective gather in a cluster: every
+    # worker must then call full_weights / named_weights at the same point).
+    read_shards: ShardReader = read_local_shards
 
     def full_weights(self) -> Dict[str, List[np.ndarray]]:
         """All weights as one device would hold them: trunk list and [(kernel, bias), ...]."""
         return {"trunk": [np.asarray(w) for w in self.trunk.get_weights()],
-                "head": self.head.full_weights()}
+                "head": self.head.full_weights(self.read_shards)}
 
     def named_weights(self) -> Dict[str, np.ndarray]:
         named = {f"trunk/{v.path}": np.asarray(v.numpy()) for v in self.trunk.weights}
-        for i, (kernel, bias) in enumerate(self.head.full_weights()):
+        for i, (kernel, bias) in enumerate(self.head.full_weights(self.read_shards)):
             named[f"fc{i}/kernel"], named[f"fc{i}/bias"] = kernel, bias
         return named
 
@@ -71,19 +80,45 @@ class HybridStrategy:
 
     def __init__(self, devices: Sequence[str], scheme: str, batch_size: int,
                  fc_batch: str = "global", fc_exchange: str = "gather",
-                 loss: str = "gathered", jit: bool = False):
-        self.devices = list(devices)
-        self.strategy = make_strategy(self.devices)
+                 loss: str = "gathered", jit: bool = False, cluster: Optional[Cluster] = None):
+        """`devices`: this process's devices. With a `cluster` of several workers, every
+        worker passes its own D devices and the run has W * D replicas."""
+        self.local_devices = list(devices)
+        self.cluster = cluster if cluster is not None and cluster.num_workers > 1 else None
+        if self.cluster is None:
+            self.strategy = make_strategy(self.local_devices)
+            self.devices, self.worker_id = list(self.local_devices), 0
+        else:
+            self.strategy = make_multiworker_strategy(self.cluster, self.local_devices)
+            self.devices = replica_devices(self.cluster, self.local_devices)
+            self.worker_id = self.cluster.worker_id
         self.plan = SchemePlan(scheme, len(self.devices), batch_size, fc_batch)
         self.fc_exchange = fc_exchange
         self.loss = loss
         self.jit = jit
         self._compiled_trunks: Dict[tuple, tf.types.experimental.GenericFunction] = {}
+        self._compiled_gathers: Dict[tuple, tf.types.experimental.GenericFunction] = {}
+        self._compiled_sums: Dict[int, tf.types.experimental.GenericFunction] = {}
         self.ledger = coll.TrafficLedger()
 
     @property
     def num_replicas(self) -> int:
         return len(self.devices)
+
+    @property
+    def num_workers(self) -> int:
+        return 1 if self.cluster is None else self.cluster.num_workers
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process writes the run's files (checkpoints, TensorBoard, exports)."""
+        return self.worker_id == 0
+
+    @property
+    def local_replicas(self) -> List[int]:
+        """Global indices of this process's replicas (and of the FC shards it holds)."""
+        d = len(self.local_devices)
+        return list(range(self.worker_id * d, (self.worker_id + 1) * d))
 
     # -- placement ---------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, seed: int) -> DistributedModel:
@@ -95,22 +130,72 @@ class HybridStrategy:
         if self.plan.model_parallel:
             # Outside strategy.scope(): tf.device is ignored for variables created inside it
             # (tensorflow/tensorflow#56416).
-            head = ShardedHead(spec.head, full, self.devices, self.fc_exchange, self.loss)
+            head = ShardedHead(spec.head, full, self.devices, self.fc_exchange, self.loss,
+                               local=self.local_replicas)
         else:
             with self.strategy.scope():
                 head = ShardedHead(spec.head, full, [None], "gather", "gathered")
-        return DistributedModel(spec, trunk, head)
+        return DistributedModel(spec, trunk, head, self.read_shards)
 
     def build_optimizer(self, model: DistributedModel, conv_lr: float, fc_lr: float,
                         momentum: float, weight_decay: float) -> HybridOptimizer:
         trunk = MirroredSGD(self.strategy, model.trunk.trainable_variables, conv_lr, momentum,
                             weight_decay, coll.CONV_GRAD)
         if self.plan.model_parallel:
-            shards = [model.head.shard_variables(k) for k in range(self.num_replicas)]
+            shards = {k: model.head.shard_variables(k) for k in model.head.local_shards}
             return HybridOptimizer(trunk, None, ShardSGD(shards, fc_lr, momentum, weight_decay))
         fc = MirroredSGD(self.strategy, model.head.shard_variables(0), fc_lr, momentum,
                          weight_decay, coll.FC_GRAD)
         return HybridOptimizer(trunk, fc, None)
+
+    def read_shards(self, per_shard: Dict[int, List[tf.Variable]]) -> List[List[np.ndarray]]:
+        """Values of every FC shard's variables (the ShardReader of this strategy's models):
+        read directly in one process; in a cluster gathered from all workers by a
+        collective, so every worker must call it at the same point."""
+        if self.cluster is None or not self.plan.model_parallel:
+            return read_local_shards(per_shard)
+        key = tuple(id(v) for k in sorted(per_shard) for v in per_shard[k])
+        if key not in self._compiled_gathers:
+            def replica_fn():
+                return coll.gather_shard_values(per_shard[coll.replica_id()])
+
+            self._compiled_gathers[key] = tf.function(lambda: self.strategy.run(replica_fn))
+        stacked = [self.strategy.experimental_local_results(t)[0].numpy()
+                   for t in self._compiled_gathers[key]()]
+        return [[s[k] for s in stacked] for k in range(self.num_replicas)]
+
+    def sum_over_workers(self, values: np.ndarray) -> np.ndarray:
+        """Element-wise sum over the cluster's workers of each worker's int64 vector (one small
+        all-reduce, outside any step's ledger); `values` itself in one process. How workers
+        agree between steps: any non-finite flag, any stop request."""
+        values = np.asarray(values, np.int64)
+        if self.cluster is None:
+            return values
+        n = values.shape[0]
+        if n not in self._compiled_sums:
+            d = len(self.local_devices)
+
+            def total(v):
+                per_replica = self.strategy.experimental_distribute_values_from_function(
+                    lambda ctx: v if ctx.replica_id_in_sync_group % d == 0 else tf.zeros_like(v))
+                return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+            self._compiled_sums[n] = tf.function(total)
+        return self._compiled_sums[n](tf.constant(values)).numpy()
+
+    def distribute_batches(self, dataset: tf.data.Dataset) -> tf.distribute.DistributedDataset:
+        """A dataset of global batches (tuples whose first dimension is B*K) as per-replica
+        batches: replica k gets rows k*B ... (k+1)*B-1 (DESIGN.md's run contract). Each
+        process keeps only its own replicas' rows, before anything else is done to them."""
+        b, d = self.plan.batch_size, len(self.local_devices)
+        first = self.worker_id * d * b
+
+        def own_rows(*batch):
+            return tuple(t[first:first + d * b] for t in batch)
+
+        # Consecutive elements go to consecutive local replicas.
+        local = dataset.map(own_rows).rebatch(b, drop_remainder=True)
+        return self.strategy.distribute_datasets_from_function(lambda ctx: local)
 
     def distribute_global_batch(self, array) -> "tf.distribute.DistributedValues":
         """A global batch (numpy or tensor) split by rows: replica k gets rows k*B ... (k+1)*B-1,
@@ -148,6 +233,7 @@ class HybridStrategy:
         """Per FC update of a train_step(with_grads=True): whole-layer gradients
         [kernel0, bias0, kernel1, ...], shards joined (mirrored layers under 'data': the
         replicas' parts summed)."""
+        self._check_one_process("gradients of every shard")
         per_replica = out["fc_grads"]
         updates = []
         for u in range(len(per_replica[0])):
@@ -181,8 +267,15 @@ class HybridStrategy:
                 names += [f"gradient of fc{li + 1}/kernel{suffix}", f"gradient of fc{li + 1}/bias{suffix}"]
         return names
 
+    def _check_one_process(self, what: str) -> None:
+        if self.cluster is not None:
+            raise NotImplementedError(f"{what}: not available in a multi-worker run (each "
+                                      "process holds only its own replicas' results)")
+
     def predict_step(self, model: DistributedModel, images) -> tf.Tensor:
         """Logits [global batch, classes] of a distributed batch, rows in global order."""
+        if not self.plan.model_parallel:
+            self._check_one_process("predict_step under data parallelism")
         out = self.strategy.run(functools.partial(self._replica_logits, model), args=(images,))
         local = self.strategy.experimental_local_results(out)
         return local[0] if self.plan.model_parallel else tf.concat(list(local), axis=0)
@@ -266,7 +359,9 @@ class HybridStrategy:
 
     def _merge_replica_outputs(self, out) -> Dict[str, tf.Tensor]:
         """Model parallel: every replica reports the same rows, take replica 0's numbers.
-        Data parallel: each reports its own rows, sum them. Gradients stay per replica."""
+        Data parallel: each reports its own rows, sum them (over every worker's replicas).
+        Gradients stay per replica; finite flags are merged over this process's replicas
+        (the loop merges them over workers)."""
         merged = {}
         for key, value in out.items():
             local = self.strategy.experimental_local_results(value)
@@ -276,6 +371,8 @@ class HybridStrategy:
                 merged[key] = tf.reduce_all(tf.stack(list(local)), axis=0)
             elif self.plan.model_parallel:
                 merged[key] = local[0]
+            elif self.cluster is not None:
+                merged[key] = self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
             else:
                 merged[key] = tf.add_n(list(local))
         return merged

@@ -17,13 +17,14 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from typing import Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable  # _serialize_to_tensors API
 
-from owt_tf.parallel.shards import ShardedDense, assemble
+from owt_tf.parallel.shards import ShardReader, assemble, read_local_shards
 
 CONFIG_FILE = "run_config.json"
 
@@ -44,41 +45,50 @@ class CheckpointWriteError(OSError):
 
 
 class FcState(trackable.Trackable):
-    """Every FC layer and its momentum as full tensors, whatever the device layout."""
+    """Every FC layer and its momentum as full tensors, whatever the device layout.
 
-    def __init__(self, model, optim):
-        self._layers: List[ShardedDense] = model.head.layers
+    In a cluster each process holds only its own shards; `read_shards` then gathers the
+    others' (a collective: every worker saves, as TF's multi-worker checkpointing asks).
+    Restoring assigns each process's own shards from the full tensors.
+    """
+
+    def __init__(self, model, optim, read_shards: ShardReader = read_local_shards):
+        self._head = model.head
         self._optim = optim
+        self._read = read_shards
 
-    def _momenta(self, layer_index: int):
-        """Per-shard momentum variables (kernel list, bias list) of one layer."""
-        layer = self._layers[layer_index]
+    def _momenta(self, k: int) -> List[tf.Variable]:
+        """Shard k's momentum variables, in the order of head.shard_variables(k)."""
         if self._optim.fc_shards is not None:
-            slots = self._optim.fc_shards.slots
-            return ([slots[k][2 * layer_index] for k in range(layer.num_shards)],
-                    [slots[k][2 * layer_index + 1] for k in range(layer.num_shards)])
+            return self._optim.fc_shards.slots[k]
         keras_opt = self._optim.fc_mirrored.optimizer
-        momentum = lambda v: keras_opt.momentums[keras_opt._get_variable_index(v)]  # noqa: E731
-        return [momentum(v) for v in layer.kernels], [momentum(v) for v in layer.biases]
+        return [keras_opt.momentums[keras_opt._get_variable_index(v)]  # noqa: SLF001
+                for v in self._head.shard_variables(k)]
+
+    def _shard_state(self, k: int) -> List[tf.Variable]:
+        """[W0, b0, W1, b1, ..., then their momenta in the same order] of shard k."""
+        return self._head.shard_variables(k) + self._momenta(k)
 
     # Names without "/": TF escapes "/" differently when saving and restoring these tensors.
-    def _serialize_to_tensors(self) -> Dict[str, tf.Tensor]:
+    def full_tensors(self) -> Dict[str, np.ndarray]:
+        values = self._read({k: self._shard_state(k) for k in self._head.local_shards})
+        n = 2 * len(self._head.layers)
         tensors = {}
-        for i, layer in enumerate(self._layers):
-            kernel, bias = assemble(layer, [v.numpy() for v in layer.kernels],
-                                    [v.numpy() for v in layer.biases])
-            mk, mb = self._momenta(i)
-            m_kernel, m_bias = assemble(layer, [v.numpy() for v in mk], [v.numpy() for v in mb])
-            tensors.update({f"fc{i}_kernel": kernel, f"fc{i}_bias": bias,
-                            f"fc{i}_kernel_momentum": m_kernel, f"fc{i}_bias_momentum": m_bias})
-        return {k: tf.constant(v) for k, v in tensors.items()}
+        for i, layer in enumerate(self._head.layers):
+            for name, offset in (("", 0), ("_momentum", n)):
+                kernel, bias = assemble(layer, [v[offset + 2 * i] for v in values],
+                                        [v[offset + 2 * i + 1] for v in values])
+                tensors[f"fc{i}_kernel{name}"], tensors[f"fc{i}_bias{name}"] = kernel, bias
+        return tensors
+
+    def _serialize_to_tensors(self) -> Dict[str, tf.Tensor]:
+        return {k: tf.constant(v) for k, v in self.full_tensors().items()}
 
     def _restore_from_tensors(self, restored_tensors: Dict[str, tf.Tensor]):
         ops = []
-        for i, layer in enumerate(self._layers):
-            mk, mb = self._momenta(i)
-            for name, kernels, biases in (("", layer.kernels, layer.biases),
-                                          ("_momentum", mk, mb)):
+        n = 2 * len(self._head.layers)
+        for i, layer in enumerate(self._head.layers):
+            for name, offset in (("", 0), ("_momentum", n)):
                 kernel = np.asarray(restored_tensors[f"fc{i}_kernel{name}"])
                 bias = np.asarray(restored_tensors[f"fc{i}_bias{name}"])
                 if kernel.shape != (layer.in_dim, layer.out_dim):
@@ -86,28 +96,49 @@ class FcState(trackable.Trackable):
                         f"FC layer {i} was saved as {kernel.shape}, this model has "
                         f"{(layer.in_dim, layer.out_dim)}")
                 kernel_parts, bias_parts = layer.split_full(kernel, bias)
-                for var, part in zip(kernels + biases, kernel_parts + bias_parts):
-                    ops.append(var.assign(part))
+                for k in self._head.local_shards:
+                    state = self._shard_state(k)
+                    ops.append(state[offset + 2 * i].assign(kernel_parts[k]))
+                    ops.append(state[offset + 2 * i + 1].assign(bias_parts[k]))
         return tf.group(ops)
 
 
 class RunCheckpoints:
-    """The checkpoints of one run directory: save every N steps, resume from the latest."""
+    """The checkpoints of one run directory: save every N steps, resume from the latest.
+
+    In a cluster every worker saves (gathering the FC shards is a collective), as TF's
+    multi-worker guidance asks, but only the chief into <logdir>/checkpoints: the others
+    write to a temporary directory that is emptied after each save and removed by
+    `close`. Every worker restores from the chief's directory.
+    """
 
     def __init__(self, logdir: str, model, optim, step: tf.Variable, identity: Dict[str, object],
-                 counters: Optional[Dict[str, tf.Variable]] = None, max_to_keep: int = 3):
+                 counters: Optional[Dict[str, tf.Variable]] = None, max_to_keep: int = 3,
+                 read_shards: ShardReader = read_local_shards, is_chief: bool = True):
         self.directory = os.path.join(logdir, "checkpoints")
         self.identity = identity
+        self.is_chief = is_chief
         self.checkpoint = tf.train.Checkpoint(trunk=model.trunk,
                                               trunk_optimizer=optim.trunk.optimizer,
-                                              fc=FcState(model, optim), step=step,
+                                              fc=FcState(model, optim, read_shards), step=step,
                                               **(counters or {}))
-        self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep)
+        write_to = self.directory if is_chief else tempfile.mkdtemp(prefix="owt_tf_worker_ckpt_")
+        self.manager = tf.train.CheckpointManager(self.checkpoint, write_to, max_to_keep)
+
+    @property
+    def latest(self) -> Optional[str]:
+        """The newest complete checkpoint of the run (the chief's)."""
+        return tf.train.latest_checkpoint(self.directory)
+
+    def close(self) -> None:
+        """Removes a non-chief worker's temporary checkpoint directory."""
+        if not self.is_chief:
+            shutil.rmtree(self.manager.directory, ignore_errors=True)
 
     def check_identity(self, logdir: str) -> None:
         """Refuses a logdir whose checkpoints come from another model or class count."""
         path = os.path.join(logdir, CONFIG_FILE)
-        if not os.path.exists(path) or self.manager.latest_checkpoint is None:
+        if not os.path.exists(path) or self.latest is None:
             return
         with open(path) as f:
             saved = json.load(f)
@@ -125,7 +156,7 @@ class RunCheckpoints:
         os.replace(tmp, os.path.join(logdir, CONFIG_FILE))
 
     def restore_latest(self) -> Optional[str]:
-        latest = self.manager.latest_checkpoint
+        latest = self.latest
         if latest:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
         return latest
@@ -135,12 +166,21 @@ class RunCheckpoints:
         temporary name and renames it, and only then rewrites the `checkpoint` index file
         (itself written to a temporary file and renamed), so a write killed at any point
         leaves the index naming the previous, complete checkpoint."""
+        os.makedirs(self.manager.directory, exist_ok=True)  # a non-chief's may be removed
         try:
-            return self.manager.save(checkpoint_number=step)
+            path = self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as err:
-            previous = self.manager.latest_checkpoint
+            previous = self.latest
             kept = f"{previous} is intact" if previous else "there is no earlier checkpoint"
             # TF's half-written temporary files: never named by the index, so only clutter.
-            shutil.rmtree(os.path.join(self.directory, f"ckpt-{step}_temp"), ignore_errors=True)
+            shutil.rmtree(os.path.join(self.manager.directory, f"ckpt-{step}_temp"),
+                          ignore_errors=True)
             raise CheckpointWriteError(f"could not write the checkpoint of step {step} in "
-                                       f"{self.directory}: {_op_error_text(err)}; {kept}") from None
+                                       f"{self.manager.directory}: {_op_error_text(err)}; "
+                                       f"{kept}") from None
+        if self.is_chief:
+            return path
+        for name in os.listdir(self.manager.directory):  # a non-chief's copy: not kept
+            target = os.path.join(self.manager.directory, name)
+            shutil.rmtree(target) if os.path.isdir(target) else os.remove(target)
+        return os.path.join(self.directory, os.path.basename(path))

@@ -8,10 +8,16 @@
   each step (the FC layers may have been updated mid-step, round by round, so there is no
   single update to withhold).
 * `SignalStop`: SIGINT / SIGTERM set a flag that the loop checks between steps; the loop
-  then saves a checkpoint and ends with `Interrupted`.
+  then saves a checkpoint and ends with `Interrupted`. In a cluster the workers agree on
+  the flag after every step (any worker's signal stops all of them at the same step, since
+  saving needs every worker).
+* `WorkerLost`: in a cluster, a collective failed because another task died or became
+  unreachable; TensorFlow aborts every pending collective then (gRPC reports the peer), so
+  the survivors stop at once instead of hanging, naming the task.
 """
 from __future__ import annotations
 
+import re
 import signal
 import threading
 from typing import List, Optional, Sequence
@@ -39,6 +45,33 @@ class Interrupted(RuntimeError):
         super().__init__(f"{name} at step {step}: saved {checkpoint}; run the same command with "
                          f"--logdir {logdir} to resume")
         self.signum = signum
+
+
+class WorkerLost(RuntimeError):
+    """A collective failed because another task of the cluster is gone."""
+
+    def __init__(self, step: int, err: Exception, checkpoint: Optional[str]):
+        self.peer = failed_task(err)
+        who = f"task {self.peer}" if self.peer else "another task of the cluster"
+        kept = (f"the last checkpoint is {checkpoint}" if checkpoint
+                else "no checkpoint was written yet")
+        detail = (getattr(err, "message", None) or str(err)).strip().splitlines()
+        super().__init__(f"step {step}: {who} is unreachable or gone ({type(err).__name__}: "
+                         f"{detail[0][:200] if detail else ''}); stopped, {kept}; start every "
+                         "worker again with the same command to resume")
+        self.step = step
+
+
+PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.AbortedError,
+               tf.errors.DeadlineExceededError, tf.errors.FailedPreconditionError,
+               tf.errors.InternalError)
+
+
+def failed_task(err: Exception) -> Optional[str]:
+    """The task a collective error names ("/job:worker/task:1"), if it names one."""
+    text = getattr(err, "message", None) or str(err)
+    found = re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", text)
+    return f"/job:{found[-1][0]}/task:{found[-1][1]}" if found else None
 
 
 def first_nonfinite(flags: np.ndarray, names: Sequence[str]) -> Optional[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -22,8 +23,8 @@ from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import RunCheckpoints
-from owt_tf.training.guard import (Interrupted, NonFiniteError, SignalStop, StepSnapshot,
-                                   first_nonfinite)
+from owt_tf.training.guard import (PEER_ERRORS, Interrupted, NonFiniteError, SignalStop,
+                                   StepSnapshot, WorkerLost, first_nonfinite)
 from owt_tf.training.summaries import RunSummaries
 
 
@@ -35,6 +36,7 @@ class StepMetrics:
     bytes_per_step: float
     grads: Optional[Dict[str, np.ndarray]] = None
     nonfinite: Optional[str] = None  # what was not finite, when this step was undone
+    stop: bool = False  # a stop was requested (by any worker of a cluster) by this step's end
 
 
 @dataclasses.dataclass
@@ -54,16 +56,17 @@ class Trainer:
             # Process-wide, and before any kernel is built: ops without a deterministic
             # implementation then raise instead of silently varying.
             tf.config.experimental.enable_op_determinism()
-        k = config.devices
+        k = config.devices  # this process's; K = k * workers
         self.devices = list(devices or setup_devices(k, config.allow_cpu_devices))[:k]
+        # First: a cluster's strategy configures collectives, which must precede any op.
+        self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
+                                     config.fc_batch, config.fc_exchange, config.loss,
+                                     jit=config.jit, cluster=config.resolved_cluster())
         probe = build_model(config.model, num_classes=10, dropout=config.dropout)
         self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed,
                                     data_dir=config.data_dir, download=config.download,
                                     manual_dir=config.manual_dir)
         self.spec = build_model(config.model, self.dataset.num_classes, config.dropout)
-        self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
-                                     config.fc_batch, config.fc_exchange, config.loss,
-                                     jit=config.jit)
         self.model = self.hybrid.build_model(self.spec, config.seed)
         self.optimizer = self.hybrid.build_optimizer(
             self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)
@@ -79,7 +82,8 @@ class Trainer:
         self.checkpoints = RunCheckpoints(
             self.logdir, self.model, self.optimizer, self.step, identity,
             counters={"data_position": self.data_position, "skipped_images": self.skipped_images,
-                      "skipped_nonfinite": self.skipped_steps})
+                      "skipped_nonfinite": self.skipped_steps},
+            read_shards=self.model.read_shards, is_chief=self.hybrid.is_chief)
         self.checkpoints.check_identity(self.logdir)
         self.resumed_from = self.checkpoints.restore_latest()
         # A checkpoint from another K or scheme carries its own rates; this run's config rules.
@@ -92,7 +96,8 @@ class Trainer:
         # restores it (streamed datasets drop those examples before reading them).
         train = self.dataset.train(config.global_batch_size, config.seed,
                                    start=int(self.data_position))
-        self._train_batches = iter(strategy.experimental_distribute_dataset(train))
+        self._train_batches = iter(self.hybrid.distribute_batches(train))
+        self._stop: Optional[SignalStop] = None  # set while fit() runs
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
         self._predict_fn = tf.function(lambda images: self.hybrid.predict_step(self.model, images))
@@ -104,10 +109,10 @@ class Trainer:
         """Every variable a step changes except the step counter: weights and optimizer state."""
         model, optim = self.model, self.optimizer
         variables = list(model.trunk.variables) + list(optim.trunk.optimizer.variables)
-        for k in range(model.head.num_shards):
+        for k in model.head.local_shards:
             variables += model.head.shard_variables(k)
         if optim.fc_shards is not None:
-            variables += [slot for slots in optim.fc_shards.slots for slot in slots]
+            variables += [slot for slots in optim.fc_shards.slots.values() for slot in slots]
         else:
             variables += list(optim.fc_mirrored.optimizer.variables)
         return variables
@@ -131,12 +136,12 @@ class Trainer:
         if self._snapshot is not None:
             self._snapshot.take()
         out = self._train_fn(images, labels, with_grads)
-        self._advance_data_position(positions)
-        nonfinite = first_nonfinite(out["finite"].numpy(), self._finite_names)
+        finite, end, stop = self._agree(out["finite"].numpy(), self._stream_end(positions))
+        self._advance_data_position(end)
+        nonfinite = first_nonfinite(finite, self._finite_names)
         if nonfinite is not None:
             if int(self.skipped_steps) >= self.config.skip_nonfinite:
-                raise NonFiniteError(int(self.step), nonfinite,
-                                     self.checkpoints.manager.latest_checkpoint)
+                raise NonFiniteError(int(self.step), nonfinite, self.checkpoints.latest)
             self._snapshot.restore()
             self.skipped_steps.assign_add(1)
         count = int(out["count"])
@@ -145,22 +150,39 @@ class Trainer:
         grads = self.hybrid.assemble_grads(self.model, out) if with_grads else None
         return StepMetrics(loss, 1.0 - int(out["correct"]) / count,
                            self.config.global_batch_size / seconds,
-                           float(self.hybrid.ledger.total), grads, nonfinite)
+                           float(self.hybrid.ledger.total), grads, nonfinite, stop)
 
-    def _advance_data_position(self, positions) -> None:
-        """Moves the saved stream position past this batch; gaps were unreadable images."""
+    def _stream_end(self, positions) -> int:
+        """The stream position after this process's rows of the batch."""
         local = self.hybrid.strategy.experimental_local_results(positions)
-        after = max(int(np.max(p)) for p in local) + 1
+        return max(int(np.max(p)) for p in local) + 1
+
+    def _agree(self, finite: np.ndarray, end: int) -> tuple:
+        """This step's finite flags, end of the input stream and stop request, agreed by every
+        worker of a cluster in one small all-reduce (they must take the same branch: undo,
+        stop, save); this process's own values otherwise."""
+        stop = self._stop is not None and self._stop.signum is not None
+        if self.hybrid.num_workers == 1:
+            return finite, end, stop
+        # Positions go in this worker's own slot, so the sum carries every worker's.
+        mine = np.zeros(self.hybrid.num_workers, np.int64)
+        mine[self.hybrid.worker_id] = end
+        local = np.concatenate([1 - np.asarray(finite, np.int64), [int(stop)], mine])
+        agreed = self.hybrid.sum_over_workers(local)
+        n = len(finite)
+        return agreed[:n] == 0, int(np.max(agreed[n + 1:])), bool(agreed[n])
+
+    def _advance_data_position(self, after: int) -> None:
+        """Moves the saved stream position past this batch; gaps were unreadable images."""
         read = after - int(self.data_position)
         self.skipped_images.assign_add(read - self.config.global_batch_size)
         self.data_position.assign(after)
 
     def evaluate(self) -> EvalMetrics:
         """Loss and top-1/top-5 error over the whole validation split."""
-        strategy = self.hybrid.strategy
         totals = {"loss_sum": 0.0, "correct": 0, "correct_top5": 0, "count": 0}
         val = self.dataset.validation(self.config.global_batch_size)
-        for images, labels in strategy.experimental_distribute_dataset(val):
+        for images, labels in self.hybrid.distribute_batches(val):
             out = self._eval_fn(images, labels)
             for key in totals:
                 totals[key] += out[key].numpy()
@@ -196,13 +218,15 @@ class Trainer:
         config = self.config
         steps = steps or config.total_steps(self.dataset.num_train)
         first = int(self.step) + 1
-        self.checkpoints.write_identity(self.logdir, dataclasses.asdict(config))
+        chief = self.hybrid.is_chief  # in a cluster only the chief writes files
+        if chief:
+            self.checkpoints.write_identity(self.logdir, dataclasses.asdict(config))
         if self.resumed_from:
             log(f"resumed from {self.resumed_from} at step {first - 1}")
         if first > steps:
             log(f"nothing to do: the run in {self.logdir} is already at step {first - 1}")
             return {"steps": first - 1}
-        summaries = RunSummaries(self.logdir, config.profile_range())
+        summaries = RunSummaries(self.logdir if chief else None, config.profile_range())
         summaries.config(dataclasses.asdict(config))
         summaries.sample_images(self.dataset.sample_images(), first)
         # A live bar on a terminal; in a log file only the periodic lines below.
@@ -213,21 +237,23 @@ class Trainer:
         val_history: List[List[float]] = []  # [epoch, val top-1 error] at every validation
         started = time.perf_counter()
         with SignalStop() as stop:
+            self._stop = stop
             try:
-                history = self._train_steps(first, steps, summaries, bar, val_history, stop, log)
+                history = self._train_steps(first, steps, summaries, bar, val_history, log)
                 wall = time.perf_counter() - started
                 saved = self.checkpoints.save(steps)
                 ev = self.evaluate()
                 summaries.validation(steps, ev.loss, ev.top1_error, ev.top5_error)
                 val_history.append([steps / steps_per_epoch, ev.top1_error])
+                self._export(log)
+            except PEER_ERRORS as err:
+                if self.hybrid.num_workers == 1:
+                    raise
+                raise WorkerLost(int(self.step), err, self.checkpoints.latest) from None
             finally:
+                self._stop = None
                 summaries.close()
-        if config.export_dir:
-            from owt_tf.export import export_saved_model
-
-            path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
-                                      config.export_dir, dataset=config.dataset)
-            log(f"exported SavedModel to {path}")
+                self.checkpoints.close()
         steady = [m.images_per_sec for m in history[1:]] or [history[0].images_per_sec]
         summary = {"steps": steps, "train_loss": history[-1].loss, "val_loss": ev.loss,
                    "val_top1_error": ev.top1_error, "val_top5_error": ev.top5_error,
@@ -237,15 +263,31 @@ class Trainer:
         if skipped or int(self.skipped_steps):
             log(f"skipped {skipped} unreadable training images and {int(self.skipped_steps)} "
                 "non-finite steps")
+        workers = (f" ({self.hybrid.num_workers} workers x {len(self.devices)})"
+                   if self.hybrid.num_workers > 1 else "")
         log(f"done: {steps} steps in {wall:.1f}s | {config.scheme} on "
-            f"{len(self.devices)} devices | val top-1 error {ev.top1_error:.2%} "
+            f"{self.hybrid.num_replicas} devices{workers} | val top-1 error {ev.top1_error:.2%} "
             f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
             f"{summary['images_per_sec']:.0f} img/s | "
             f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/worker | checkpoint {saved}")
         return summary
 
+    def _export(self, log) -> None:
+        """--export-dir: the chief writes the SavedModel (the others join its gather of the
+        FC shards)."""
+        if not self.config.export_dir:
+            return
+        if not self.hybrid.is_chief:
+            self.model.full_weights()
+            return
+        from owt_tf.export import export_saved_model
+
+        path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
+                                  self.config.export_dir, dataset=self.config.dataset)
+        log(f"exported SavedModel to {path}")
+
     def _train_steps(self, first: int, steps: int, summaries: RunSummaries, bar, val_history,
-                     stop: SignalStop, log) -> List[StepMetrics]:
+                     log) -> List[StepMetrics]:
         """Steps first..steps with periodic checkpoints and validation; stops on a signal."""
         config = self.config
         steps_per_epoch = self.dataset.num_train / config.global_batch_size
@@ -257,9 +299,10 @@ class Trainer:
                 log(f"step {i}: non-finite {m.nonfinite}; step undone "
                     f"({int(self.skipped_steps)} of {config.skip_nonfinite} skips used)")
             bar.update(i, [("loss", m.loss), ("error", m.top1_error), ("img/s", m.images_per_sec)])
-            if stop.signum is not None:
+            if m.stop:
                 saved = self.checkpoints.save(i)
-                raise Interrupted(stop.signum, i, saved, self.logdir)
+                # In a cluster a worker may stop for another worker's signal.
+                raise Interrupted(self._stop.signum or signal.SIGTERM, i, saved, self.logdir)
             if config.checkpoint_every and i % config.checkpoint_every == 0 and i < steps:
                 self.checkpoints.save(i)
             if config.eval_every and i % config.eval_every == 0 and i < steps:
@@ -279,7 +322,8 @@ class Trainer:
             self.optimizer.set_learning_rates(config.conv_lr * factor, config.fc_lr * factor)
             self._lr_factor = factor
         summaries.before_step(i)
-        m = self.train_step(with_grads=histograms)
+        # Whole-model gradients exist only in one process (each worker holds its own shards').
+        m = self.train_step(with_grads=histograms and self.hybrid.num_workers == 1)
         summaries.after_step(i)
         if (config.log_every and i % config.log_every == 0) or i == steps:
             summaries.train(i, m.loss, m.top1_error, m.images_per_sec, m.bytes_per_step,
@@ -288,5 +332,6 @@ class Trainer:
             summaries.counters(i, int(self.skipped_images), int(self.skipped_steps))
         if histograms:
             summaries.histograms(i, "weights", self.model.named_weights().items())
-            summaries.histograms(i, "gradients", m.grads.items())
+            if m.grads is not None:
+                summaries.histograms(i, "gradients", m.grads.items())
         return m

@@ -15,7 +15,7 @@ gives silently wrong weights (DESIGN.md), so the two kinds never share an optimi
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import keras
 import tensorflow as tf
@@ -49,23 +49,27 @@ class MirroredSGD:
 
 
 class ShardSGD(tf.Module):
-    """The same rule for FC shards: momentum kept next to each shard, updated locally."""
+    """The same rule for FC shards: momentum kept next to each shard, updated locally.
 
-    def __init__(self, shard_vars_by_replica: Sequence[Sequence[tf.Variable]],
+    Holds this process's shards only (all of them in one process; its own devices' in a
+    cluster), keyed by shard index.
+    """
+
+    def __init__(self, shard_vars: Dict[int, Sequence[tf.Variable]],
                  learning_rate: float, momentum: float, weight_decay: float):
         super().__init__(name="shard_sgd")
         self.momentum = momentum
         self.weight_decay = weight_decay
         self.learning_rate = tf.Variable(learning_rate, trainable=False, name="fc_lr")
-        self.slots: List[List[tf.Variable]] = []
-        for shard_vars in shard_vars_by_replica:
+        self.slots: Dict[int, List[tf.Variable]] = {}
+        for k, variables in shard_vars.items():
             slots = []
-            for v in shard_vars:
+            for v in variables:
                 with tf.device(v.device):
                     slots.append(tf.Variable(tf.zeros_like(v), trainable=False,
                                              name=v.name.split(":")[0] + "_momentum"))
-            self.slots.append(slots)
-        self._vars = [list(vs) for vs in shard_vars_by_replica]
+            self.slots[k] = slots
+        self._vars = {k: list(vs) for k, vs in shard_vars.items()}
 
     def apply(self, shard: int, grads: Sequence[tf.Tensor]) -> None:
         lr = tf.identity(self.learning_rate)

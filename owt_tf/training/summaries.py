@@ -29,10 +29,12 @@ CONTRACT_TAGS = (TRAIN_LOSS, TRAIN_TOP1, VAL_LOSS, VAL_TOP1, VAL_TOP5, LR_CONV, 
 class RunSummaries:
     """Scalars, the config, sample inputs, histograms and an optional profile of one run."""
 
-    def __init__(self, logdir: str, profile_steps: Optional[Tuple[int, int]] = None):
+    def __init__(self, logdir: Optional[str], profile_steps: Optional[Tuple[int, int]] = None):
+        """`logdir` None: write nothing (a multi-worker run's non-chief workers)."""
         self.logdir = logdir
-        self.writer = tf.summary.create_file_writer(logdir)
-        self.profile_steps = profile_steps
+        self.writer = (tf.summary.create_file_writer(logdir) if logdir
+                       else tf.summary.create_noop_writer())
+        self.profile_steps = profile_steps if logdir else None
         self._profiling = False
 
     def config(self, config: Dict[str, object]) -> None:
