@@ -224,7 +224,7 @@ class RunConfig:
         for width in build_model(self.model, num_classes=2).head.hidden:
             if width % self.num_replicas:
                 raise ConfigError("--devices", f"model {self.model}'s FC width {width} is not "
-                                  f"divisible by K = {self.num_replicas} devices")
+                                  f"divisible by {self.num_replicas} devices")
 
 
 PRESETS = {

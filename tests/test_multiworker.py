@@ -1,0 +1,197 @@
+"""Multi-worker runs over loopback: `python -m owt_tf.launch` with 2 workers x 2 logical CPUs.
+
+Each run is real: two `python -m owt_tf.train` processes on 127.0.0.1 joined by TensorFlow's
+gRPC collectives (MultiWorkerMirroredStrategy), K = 4. Held to a one-process, one-device
+run of the same global batch (the independent reference), to the closed-form bytes for
+K = 4, and to an uninterrupted run after a worker is SIGKILLed and the command rerun.
+"""
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+
+from owt_tf.models import build_model
+from owt_tf.parallel import traffic
+from owt_tf.training import summaries
+
+WORKERS, PER_WORKER, BATCH, STEPS, LR = 2, 2, 8, 6, 0.01
+K = WORKERS * PER_WORKER
+# fc_batch=global, no dropout (its masks are drawn per shard, so they differ from one
+# device's), validation only at the end.
+COMMON = ["--steps", str(STEPS), "--dropout", "0", "--eval-every", "0", "--log-every", "1",
+          "--histogram-every", "0", "--fc-batch", "global"]
+
+
+def _env(tmpdir):
+    # TMPDIR: where non-chief workers put their temporary checkpoints (must be left empty).
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(tmpdir))
+
+
+def _launch(tmp, *flags, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "owt_tf.launch", "--workers", str(WORKERS),
+         "--devices-per-worker", str(PER_WORKER), "--", *flags],
+        capture_output=True, text=True, env=_env(tmp), timeout=timeout)
+
+
+def _pids(output):
+    return [int(p) for p in re.findall(r"\[launch\] worker \d+: pid (\d+)", output)]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _tensors(logdir, step):
+    reader = tf.train.load_checkpoint(os.path.join(logdir, "checkpoints", f"ckpt-{step}"))
+    return {name: np.asarray(reader.get_tensor(name)) for name in reader.get_variable_to_shape_map()
+            if not name.startswith(("save_counter", "_CHECKPOINTABLE_OBJECT_GRAPH"))}
+
+
+def _scalar(logdir, tag):
+    acc = event_accumulator.EventAccumulator(logdir, size_guidance={"tensors": 0})
+    acc.Reload()
+    return [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, one device, the same global batch of K * B and the same rates (the
+    K-device runs scale the base rate linearly by K)."""
+    logdir = str(tmp_path_factory.mktemp("single") / "run")
+    proc = subprocess.run(
+        [sys.executable, "-m", "owt_tf.train", "--scheme", "single", "--devices", "1",
+         "--batch-size", str(K * BATCH), "--lr", str(LR * K), *COMMON, "--logdir", logdir],
+        capture_output=True, text=True, env=_env(tmp_path_factory.mktemp("tmp")), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _tensors(logdir, STEPS)
+
+
+@pytest.fixture(scope="module")
+def cluster_runs(tmp_path_factory):
+    """Each scheme's uninterrupted 2 x 2 run: logdir, launcher output, temp dir."""
+    runs = {}
+
+    def run(scheme):
+        if scheme not in runs:
+            base = tmp_path_factory.mktemp(scheme)
+            tmp = base / "tmp"
+            tmp.mkdir()
+            logdir = str(base / "run")
+            proc = _launch(tmp, "--scheme", scheme, "--batch-size", str(BATCH), "--lr", str(LR),
+                           *COMMON, "--checkpoint-every", "2", "--logdir", logdir)
+            assert proc.returncode == 0, proc.stdout[-4000:]
+            runs[scheme] = (logdir, proc.stdout, tmp)
+        return runs[scheme]
+
+    return run
+
+
+@pytest.mark.parametrize("scheme", ["owt-a", "owt-b", "owt-c"])
+def test_two_workers_match_one_device(reference, cluster_runs, scheme):
+    logdir, output, tmp = cluster_runs(scheme)
+    got = _tensors(logdir, STEPS)
+    assert sorted(got) == sorted(reference)
+    worst = {}
+    for name, want in reference.items():
+        if want.dtype.kind == "f":
+            worst[name] = float(np.max(np.abs(got[name] - want)) / (np.max(np.abs(want)) + 1e-12))
+        else:  # step, data position, counters
+            assert np.array_equal(got[name], want), name
+    assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    # Every FC layer is in the checkpoint whole, though each process held 2 of its 4 shards.
+    assert got["fc/.ATTRIBUTES/fc0_kernel"].shape == reference["fc/.ATTRIBUTES/fc0_kernel"].shape
+
+    # The bytes the chief's ledger reported equal the formula for K = 4 (per worker).
+    spec = build_model("alexnet_tiny", 10)
+    trunk = spec.build_trunk()
+    net = traffic.NetworkShape(trunk.count_params(), spec.trunk_output_dim(trunk),
+                               spec.head.hidden, spec.head.num_classes)
+    want = float(traffic.total(traffic.step_traffic(net, scheme, K, BATCH)))
+    assert _scalar(logdir, summaries.BYTES_PER_STEP) == [want] * STEPS
+
+    # Files from the chief only: one event file (the chief's pid), non-chief temp removed.
+    chief_pid = _pids(output)[0]
+    events = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+    assert len(events) == 1 and f".{chief_pid}." in os.path.basename(events[0])
+    assert os.listdir(tmp) == []
+    assert "owt-" in output and "on 4 devices (2 workers x 2)" in output
+
+
+def test_launcher_leaves_no_process_behind(cluster_runs):
+    _, output, _ = cluster_runs("owt-b")
+    pids = _pids(output)
+    assert len(pids) == WORKERS
+    assert not [p for p in pids if _alive(p)]
+
+
+def _wait_for(path, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def test_killed_worker_stops_the_run_and_the_same_command_resumes(cluster_runs, tmp_path):
+    straight, _, _ = cluster_runs("owt-b")
+    logdir = str(tmp_path / "run")
+    flags = ["--scheme", "owt-b", "--batch-size", str(BATCH), "--lr", str(LR), *COMMON,
+             "--checkpoint-every", "1", "--logdir", logdir]
+    command = [sys.executable, "-m", "owt_tf.launch", "--workers", str(WORKERS),
+               "--devices-per-worker", str(PER_WORKER), "--grace", "20", "--", *flags]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_env(tmp_path))
+    try:
+        _wait_for(os.path.join(logdir, "checkpoints", "ckpt-2.index"), proc)
+        head = ""
+        while len(_pids(head)) < WORKERS:  # the pid lines come first
+            head += proc.stdout.readline()
+        victim = _pids(head)[1]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        rest, _ = proc.communicate(timeout=120)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = head + rest
+    assert proc.returncode == 128 + signal.SIGKILL, output[-3000:]
+    assert f"worker 1 (pid {victim}, /job:worker/task:1) was killed by SIGKILL" in output
+    # The survivor stops on its own, naming the lost task (not the launcher's SIGTERM).
+    assert re.search(r"\[worker 0\].*task /job:worker/task:1 is unreachable or gone", output), \
+        output[-3000:]
+    assert stopped_after < 60
+    assert not [p for p in _pids(output) if _alive(p)]
+    latest = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints"))
+    assert latest and int(latest.rsplit("-", 1)[1]) < STEPS, "the run finished before the kill"
+
+    again = subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path),
+                           timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "resumed from" in again.stdout
+    want, got = _tensors(straight, STEPS), _tensors(logdir, STEPS)
+    assert sorted(got) == sorted(want)
+    different = [n for n in want if not np.array_equal(got[n], want[n])]
+    assert not different, different
+
+
+def test_bad_train_flags_fail_in_the_launcher(tmp_path):
+    proc = _launch(tmp_path, "--scheme", "owt-c", "--batch-size", "6", timeout=300)
+    assert proc.returncode == 2
+    assert "--batch-size" in proc.stderr and "K = 4" in proc.stderr
+    assert "pid" not in proc.stdout  # nothing was started
+    reserved = _launch(tmp_path, "--devices", "3", timeout=300)
+    assert reserved.returncode == 2 and "--devices is set by the launcher" in reserved.stderr
