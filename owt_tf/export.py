@@ -107,9 +107,12 @@ def load_run(logdir: str):
     with open(path) as f:
         saved = json.load(f)
     fields = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
+    # One device in this process, whatever the run was (several workers included); the
+    # run's own export target is not this export's.
     config = RunConfig(**fields).replace(scheme="single", devices=1, fc_batch="global",
                                          fc_exchange="gather", loss="gathered", logdir=logdir,
-                                         batch_size=min(64, fields.get("batch_size", 64)))
+                                         batch_size=min(64, fields.get("batch_size", 64)),
+                                         cluster=None, task_index=None, export_dir=None)
     from owt_tf.training.loop import Trainer
 
     trainer = Trainer(config)

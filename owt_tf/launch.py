@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Sequence
 HOST = "127.0.0.1"
 # Flags the launcher sets for every worker: given by the user they would contradict it.
 RESERVED_FLAGS = ("--devices", "--cluster", "--task-index")
+# owt_tf.train's exit codes after SIGINT / SIGTERM, once the checkpoint is saved.
+SAVED_AND_STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 class LaunchError(ValueError):
@@ -124,10 +126,12 @@ class Workers:
             self.say(raw.decode(errors="replace").rstrip("\n"), prefix=f"[worker {i}]")
 
     def first_failure(self) -> Optional[int]:
-        """Index of a worker that ended with a non-zero code, if any."""
+        """Index of a worker that failed, if any. A worker that stopped for a signal after
+        saving (exit 128 + SIGINT/SIGTERM) did not fail: the workers agree on the step to
+        stop at, so the others are saving the same checkpoint and end by themselves."""
         for i, proc in enumerate(self.procs):
             code = proc.poll()
-            if code is not None and code != 0:
+            if code is not None and code not in (0, *SAVED_AND_STOPPED):
                 return i
         return None
 

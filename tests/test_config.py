@@ -24,6 +24,14 @@ BAD = [
     (dict(dropout=1.0), "--dropout"),
     (dict(batch_size=0), "--batch-size"),
     (dict(steps=0), "--steps"),
+    # 2 workers x 3 devices: K = 6 does not divide the FC width 256
+    (dict(cluster="127.0.0.1:1,127.0.0.1:2", task_index=0, devices=3), "--devices"),
+    (dict(cluster="127.0.0.1:1,127.0.0.1:2", task_index=0, scheme="owt-c", devices=2,
+          batch_size=6), "--batch-size"),
+    (dict(cluster="127.0.0.1:1,127.0.0.1:2", task_index=0), "--logdir"),
+    (dict(cluster="127.0.0.1:1,127.0.0.1:2", task_index=2), "--task-index"),
+    (dict(cluster="127.0.0.1:1,nonsense"), "--cluster"),
+    (dict(task_index=1), "--task-index"),
 ]
 
 
@@ -77,6 +85,7 @@ CLI_BAD = [
     (["--lr-schedule", "step", "--lr-decay-epochs", "60,30"], "--lr-decay-epochs"),
     (["--dropout", "1.5"], "--dropout"),
     (["--scheme", "owt-a", "--fc-batch", "worker"], "--fc-batch"),
+    (["--cluster", "127.0.0.1:1,127.0.0.1:2"], "--task-index"),
 ]
 
 

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -91,7 +92,8 @@ def cluster_runs(tmp_path_factory):
             tmp.mkdir()
             logdir = str(base / "run")
             proc = _launch(tmp, "--scheme", scheme, "--batch-size", str(BATCH), "--lr", str(LR),
-                           *COMMON, "--checkpoint-every", "2", "--logdir", logdir)
+                           *COMMON, "--checkpoint-every", "2", "--logdir", logdir,
+                           "--export-dir", str(base / "model"))
             assert proc.returncode == 0, proc.stdout[-4000:]
             runs[scheme] = (logdir, proc.stdout, tmp)
         return runs[scheme]
@@ -113,6 +115,12 @@ def test_two_workers_match_one_device(reference, cluster_runs, scheme):
     assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
     # Every FC layer is in the checkpoint whole, though each process held 2 of its 4 shards.
     assert got["fc/.ATTRIBUTES/fc0_kernel"].shape == reference["fc/.ATTRIBUTES/fc0_kernel"].shape
+
+    # The chief's SavedModel holds the FC layers both processes' shards make up.
+    exported = tf.saved_model.load(os.path.join(os.path.dirname(logdir), "model"))
+    for i, (kernel, bias) in enumerate(exported.fc):
+        assert np.array_equal(kernel.numpy(), got[f"fc/.ATTRIBUTES/fc{i}_kernel"])
+        assert np.array_equal(bias.numpy(), got[f"fc/.ATTRIBUTES/fc{i}_bias"])
 
     # The bytes the chief's ledger reported equal the formula for K = 4 (per worker).
     spec = build_model("alexnet_tiny", 10)
@@ -145,38 +153,71 @@ def _wait_for(path, proc, timeout=300):
         time.sleep(0.01)
 
 
-def test_killed_worker_stops_the_run_and_the_same_command_resumes(cluster_runs, tmp_path):
+def _signal_worker_1(command, env, checkpoint):
+    """Runs the launcher until `checkpoint` exists, sends worker 1 `signum`; returns the
+    launcher's exit code, its output, the victim's pid and the seconds it took to end."""
+    def run(signum):
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+        try:
+            _wait_for(checkpoint, proc)
+            head = ""
+            while len(_pids(head)) < WORKERS:  # the pid lines come first
+                head += proc.stdout.readline()
+            victim = _pids(head)[1]
+            os.kill(victim, signum)
+            sent = time.monotonic()
+            # Read on through the same buffered pipe (communicate() would bypass what
+            # readline() already buffered); the watchdog bounds the wait.
+            watchdog = threading.Timer(120, proc.kill)
+            watchdog.start()
+            rest = proc.stdout.read()
+            proc.wait()
+            watchdog.cancel()
+            return proc.returncode, head + rest, victim, time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return run
+
+
+def _latest_step(logdir):
+    latest = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints"))
+    return int(latest.rsplit("-", 1)[1]) if latest else 0
+
+
+def test_preempted_then_killed_worker_and_the_same_command_resumes(cluster_runs, tmp_path):
+    """SIGTERM to one worker: all stop at one step with one checkpoint. SIGKILL to one
+    worker: the other stops on its own, naming it. Each time the same command resumes, and
+    the run ends equal to one never interrupted."""
     straight, _, _ = cluster_runs("owt-b")
     logdir = str(tmp_path / "run")
     flags = ["--scheme", "owt-b", "--batch-size", str(BATCH), "--lr", str(LR), *COMMON,
              "--checkpoint-every", "1", "--logdir", logdir]
     command = [sys.executable, "-m", "owt_tf.launch", "--workers", str(WORKERS),
                "--devices-per-worker", str(PER_WORKER), "--grace", "20", "--", *flags]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=_env(tmp_path))
-    try:
-        _wait_for(os.path.join(logdir, "checkpoints", "ckpt-2.index"), proc)
-        head = ""
-        while len(_pids(head)) < WORKERS:  # the pid lines come first
-            head += proc.stdout.readline()
-        victim = _pids(head)[1]
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.monotonic()
-        rest, _ = proc.communicate(timeout=120)
-        stopped_after = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = head + rest
-    assert proc.returncode == 128 + signal.SIGKILL, output[-3000:]
+    ckpt = lambda n: os.path.join(logdir, "checkpoints", f"ckpt-{n}.index")  # noqa: E731
+
+    code, output, _, _ = _signal_worker_1(command, _env(tmp_path), ckpt(1))(signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    stopped = re.findall(r"\[worker (\d)\] .*at step (\d+): saved", output)
+    assert sorted(w for w, _ in stopped) == ["0", "1"], output[-3000:]
+    assert len({step for _, step in stopped}) == 1  # both at the same step
+    preempted_at = int(stopped[0][1])
+    assert _latest_step(logdir) == preempted_at < STEPS
+    assert "another worker's stop signal" in output  # worker 0 got no signal itself
+
+    code, output, victim, seconds = _signal_worker_1(command, _env(tmp_path),
+                                                     ckpt(preempted_at + 1))(signal.SIGKILL)
+    assert "resumed from" in output, output[-3000:]
+    assert code == 128 + signal.SIGKILL, output[-3000:]
     assert f"worker 1 (pid {victim}, /job:worker/task:1) was killed by SIGKILL" in output
     # The survivor stops on its own, naming the lost task (not the launcher's SIGTERM).
     assert re.search(r"\[worker 0\].*task /job:worker/task:1 is unreachable or gone", output), \
         output[-3000:]
-    assert stopped_after < 60
+    assert seconds < 60
     assert not [p for p in _pids(output) if _alive(p)]
-    latest = tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints"))
-    assert latest and int(latest.rsplit("-", 1)[1]) < STEPS, "the run finished before the kill"
+    assert preempted_at < _latest_step(logdir) < STEPS, "the run finished before the kill"
 
     again = subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path),
                            timeout=600)

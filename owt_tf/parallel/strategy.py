@@ -183,6 +183,18 @@ class HybridStrategy:
             self._compiled_sums[n] = tf.function(total)
         return self._compiled_sums[n](tf.constant(values)).numpy()
 
+    def wait_for_workers(self, name: str, timeout_s: float = 600.0) -> None:
+        """Returns once every worker of the cluster has called it with this `name` (the
+        coordination service's barrier); at once in one process. Workers that leave at
+        different times make the others' heartbeats fail with alarming log lines."""
+        if self.cluster is None:
+            return
+        from tensorflow.python.eager import context
+
+        self._barriers = getattr(self, "_barriers", 0) + 1
+        context.context().wait_at_barrier(f"owt_tf/{name}/{self._barriers}",
+                                          int(timeout_s * 1000))
+
     def distribute_batches(self, dataset: tf.data.Dataset) -> tf.distribute.DistributedDataset:
         """A dataset of global batches (tuples whose first dimension is B*K) as per-replica
         batches: replica k gets rows k*B ... (k+1)*B-1 (DESIGN.md's run contract). Each

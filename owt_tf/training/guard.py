@@ -38,13 +38,15 @@ class NonFiniteError(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """SIGINT or SIGTERM arrived; a checkpoint was saved at `step`."""
+    """SIGINT or SIGTERM arrived (here, or at another worker of the cluster: signum None);
+    a checkpoint was saved at `step`. `signum` is what the exit code reports (SIGTERM's
+    when the signal came to another worker)."""
 
-    def __init__(self, signum: int, step: int, checkpoint: str, logdir: str):
-        name = signal.Signals(signum).name
+    def __init__(self, signum: Optional[int], step: int, checkpoint: str, logdir: str):
+        name = signal.Signals(signum).name if signum else "another worker's stop signal"
         super().__init__(f"{name} at step {step}: saved {checkpoint}; run the same command with "
                          f"--logdir {logdir} to resume")
-        self.signum = signum
+        self.signum = signum or signal.SIGTERM
 
 
 class WorkerLost(RuntimeError):
@@ -55,10 +57,13 @@ class WorkerLost(RuntimeError):
         who = f"task {self.peer}" if self.peer else "another task of the cluster"
         kept = (f"the last checkpoint is {checkpoint}" if checkpoint
                 else "no checkpoint was written yet")
-        detail = (getattr(err, "message", None) or str(err)).strip().splitlines()
-        super().__init__(f"step {step}: {who} is unreachable or gone ({type(err).__name__}: "
-                         f"{detail[0][:200] if detail else ''}); stopped, {kept}; start every "
-                         "worker again with the same command to resume")
+        lines = (getattr(err, "message", None) or str(err)).splitlines()
+        # TF's message starts with "Graph execution error:"; the reason is further down.
+        reason = next((line.strip() for line in lines if re.search(
+            r"abort|unhealthy|connect|heartbeat|preempt", line, re.IGNORECASE)), "")
+        super().__init__(f"step {step}: {who} is unreachable or gone ({type(err).__name__}"
+                         f"{': ' + reason[:160] if reason else ''}); stopped, {kept}; start "
+                         "every worker again with the same command to resume")
         self.step = step
 
 

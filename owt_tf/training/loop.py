@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -246,6 +245,7 @@ class Trainer:
                 summaries.validation(steps, ev.loss, ev.top1_error, ev.top5_error)
                 val_history.append([steps / steps_per_epoch, ev.top1_error])
                 self._export(log)
+                self.hybrid.wait_for_workers("fit_end")
             except PEER_ERRORS as err:
                 if self.hybrid.num_workers == 1:
                     raise
@@ -301,8 +301,8 @@ class Trainer:
             bar.update(i, [("loss", m.loss), ("error", m.top1_error), ("img/s", m.images_per_sec)])
             if m.stop:
                 saved = self.checkpoints.save(i)
-                # In a cluster a worker may stop for another worker's signal.
-                raise Interrupted(self._stop.signum or signal.SIGTERM, i, saved, self.logdir)
+                # In a cluster a worker may stop for another worker's signal (signum None).
+                raise Interrupted(self._stop.signum, i, saved, self.logdir)
             if config.checkpoint_every and i % config.checkpoint_every == 0 and i < steps:
                 self.checkpoints.save(i)
             if config.eval_every and i % config.eval_every == 0 and i < steps:

@@ -1,0 +1,74 @@
+"""Cluster resolution (TF_CONFIG, --cluster/--task-index) and the launcher's pure parts."""
+import json
+
+import pytest
+from tensorflow.python.distribute import multi_worker_util
+
+from owt_tf import launch
+from owt_tf.cluster import ClusterError, parse_tf_config, resolve_cluster
+from owt_tf.config import RunConfig
+from owt_tf.devices import replica_devices
+
+WORKERS = ["10.0.0.1:2222", "10.0.0.2:2222", "10.0.0.3:2222"]
+
+
+def _tf_config(cluster, task_type, index):
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
+@pytest.mark.parametrize("cluster,task", [
+    ({"worker": WORKERS}, ("worker", 2)),
+    ({"chief": ["10.0.0.9:2222"], "worker": WORKERS}, ("worker", 0)),
+    ({"chief": ["10.0.0.9:2222"], "worker": WORKERS}, ("chief", 0)),
+])
+def test_worker_order_is_multiworker_mirrored_strategys(cluster, task):
+    """Global replica order must be TensorFlow's (id_in_cluster), or shard j would not sit on
+    replica j's device."""
+    got = parse_tf_config(_tf_config(cluster, *task))
+    assert got.worker_id == multi_worker_util.id_in_cluster(cluster, *task)
+    assert got.is_chief == multi_worker_util.is_chief(cluster, *task)
+    assert got.num_workers == sum(len(v) for v in cluster.values())
+    devices = replica_devices(got, ["/device:CPU:0", "/device:CPU:1"])
+    assert len(devices) == 2 * got.num_workers
+    assert devices[2 * got.worker_id] == f"/job:{task[0]}/task:{task[1]}/device:CPU:0"
+
+
+def test_flags_win_over_tf_config_and_one_task_is_a_local_run():
+    env = {"TF_CONFIG": _tf_config({"worker": WORKERS}, "worker", 1)}
+    flagged = resolve_cluster("127.0.0.1:5000,127.0.0.1:5001", 1, env)
+    assert flagged.spec() == {"worker": ["127.0.0.1:5000", "127.0.0.1:5001"]}
+    assert flagged.worker_id == 1 and not flagged.is_chief
+    assert resolve_cluster(None, None, env).num_workers == 3
+    assert resolve_cluster(None, None, {}) is None
+    assert resolve_cluster(None, None, {"TF_CONFIG": _tf_config({"worker": WORKERS[:1]},
+                                                                "worker", 0)}) is None
+
+
+@pytest.mark.parametrize("text,words", [
+    ("{not json", "TF_CONFIG"),
+    (_tf_config({"worker": WORKERS, "evaluator": ["e:1"]}, "worker", 0), "evaluator"),
+    (_tf_config({"worker": WORKERS}, "worker", 3), "worker:3 is not in the cluster"),
+    (_tf_config({"chief": ["a:1", "b:1"], "worker": WORKERS}, "worker", 0), "one chief"),
+])
+def test_bad_tf_config_is_refused(text, words):
+    with pytest.raises(ClusterError, match=words):
+        resolve_cluster(None, None, {"TF_CONFIG": text})
+
+
+def test_config_counts_every_workers_devices():
+    config = RunConfig(cluster="127.0.0.1:1,127.0.0.1:2", task_index=1, devices=2, batch_size=8)
+    assert (config.num_workers, config.num_replicas, config.global_batch_size) == (2, 4, 32)
+    assert config.conv_lr == pytest.approx(config.lr * 4)
+
+
+def test_launcher_flags_and_addresses():
+    flags = launch.worker_flags(["--scheme", "owt-b"], 2, "runs/x")
+    assert flags == ["--scheme", "owt-b", "--devices", "2", "--logdir", "runs/x"]
+    assert launch.worker_flags(["--logdir=mine"], 1, "runs/x") == ["--logdir=mine", "--devices", "1"]
+    for reserved in ("--devices", "--cluster", "--task-index=1"):
+        with pytest.raises(launch.LaunchError, match="set by the launcher"):
+            launch.worker_flags([reserved, "3"], 2, "runs/x")
+    ports = launch.free_ports(4)
+    assert len(set(ports)) == 4
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    assert parse_tf_config(launch.tf_config(addresses, 3)).task_name == "/job:worker/task:3"
