@@ -144,6 +144,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _fail(err)
     try:
         trainer.fit()
+        trainer.hybrid.leave_cluster()
     except Interrupted as stop:
         print(f"python -m owt_tf.train: {stop}", file=sys.stderr)
         return 128 + stop.signum  # the shell's convention for "ended by this signal"

@@ -159,7 +159,7 @@ class HybridStrategy:
             def replica_fn():
                 return coll.gather_shard_values(per_shard[coll.replica_id()])
 
-            self._compiled_gathers[key] = tf.function(lambda: self.strategy.run(replica_fn))
+            self._compiled_gathers[key] = tf.function(lambda: self._run(replica_fn))
         stacked = [self.strategy.experimental_local_results(t)[0].numpy()
                    for t in self._compiled_gathers[key]()]
         return [[s[k] for s in stacked] for k in range(self.num_replicas)]
@@ -195,6 +195,16 @@ class HybridStrategy:
         context.context().wait_at_barrier(f"owt_tf/{name}/{self._barriers}",
                                           int(timeout_s * 1000))
 
+    def leave_cluster(self, timeout_s: float = 30.0) -> None:
+        """Call last, after every worker passed wait_for_workers: the chief waits for the
+        other tasks to end first. The chief leads TensorFlow's coordination service, and a
+        task that outlives it logs "Failed to send RPC to coordination service ... the
+        leader task was preempted/died" from its heartbeat though all went well."""
+        if self.cluster is not None and self.is_chief:
+            from owt_tf.cluster import wait_until_closed
+
+            wait_until_closed(self.cluster.other_addresses(), timeout_s)
+
     def distribute_batches(self, dataset: tf.data.Dataset) -> tf.distribute.DistributedDataset:
         """A dataset of global batches (tuples whose first dimension is B*K) as per-replica
         batches: replica k gets rows k*B ... (k+1)*B-1 (DESIGN.md's run contract). Each
@@ -220,6 +230,18 @@ class HybridStrategy:
 
         return self.strategy.experimental_distribute_values_from_function(local)
 
+    def _run(self, fn, *args):
+        """strategy.run, with each replica's inputs and ops pinned to its device.
+        MultiWorkerMirrored with one device per worker hands the replica function inputs
+        without a device, and ReplicaContext.all_gather of such a tensor fails
+        ("destinations can not be empty", cross_device_ops.validate_destinations); with
+        several devices per worker the inputs and replica threads carry the same device."""
+        def placed(*replica_args):
+            with tf.device(self.devices[coll.replica_id()]):
+                return fn(*tf.nest.map_structure(tf.identity, replica_args))
+
+        return self.strategy.run(placed, args=args)
+
     # -- steps (call inside a tf.function) ------------------------------------------------
     def train_step(self, model: DistributedModel, optim: HybridOptimizer, images, labels,
                    seed: Optional[tf.Tensor] = None, with_grads: bool = False) -> Dict[str, tf.Tensor]:
@@ -232,13 +254,12 @@ class HybridStrategy:
         with coll.recording(self.ledger):
             step = functools.partial(self._replica_train_step, model, optim, seed=seed,
                                      with_grads=with_grads)
-            out = self.strategy.run(step, args=(images, labels))
+            out = self._run(step, images, labels)
         return self._merge_replica_outputs(out)
 
     def eval_step(self, model: DistributedModel, images, labels) -> Dict[str, tf.Tensor]:
         """Loss and top-1/top-5 counts on a distributed batch; rows with label < 0 are padding."""
-        out = self.strategy.run(functools.partial(self._replica_eval_step, model),
-                                args=(images, labels))
+        out = self._run(functools.partial(self._replica_eval_step, model), images, labels)
         return self._merge_replica_outputs(out)
 
     def assemble_fc_grads(self, model: DistributedModel, out) -> List[List[np.ndarray]]:
@@ -288,7 +309,7 @@ class HybridStrategy:
         """Logits [global batch, classes] of a distributed batch, rows in global order."""
         if not self.plan.model_parallel:
             self._check_one_process("predict_step under data parallelism")
-        out = self.strategy.run(functools.partial(self._replica_logits, model), args=(images,))
+        out = self._run(functools.partial(self._replica_logits, model), images)
         local = self.strategy.experimental_local_results(out)
         return local[0] if self.plan.model_parallel else tf.concat(list(local), axis=0)
 
