@@ -1,6 +1,7 @@
-"""Multi-worker runs over loopback: `python -m owt_tf.launch` with 2 workers x 2 logical CPUs.
+"""Multi-worker runs over loopback: `python -m owt_tf.launch` with 2 workers x 2 logical CPUs
+(and 4 x 1).
 
-Each run is real: two `python -m owt_tf.train` processes on 127.0.0.1 joined by TensorFlow's
+Each run is real: `python -m owt_tf.train` processes on 127.0.0.1 joined by TensorFlow's
 gRPC collectives (MultiWorkerMirroredStrategy), K = 4. Held to a one-process, one-device
 run of the same global batch (the independent reference), to the closed-form bytes for
 K = 4, and to an uninterrupted run after a worker is SIGKILLed and the command rerun.
@@ -36,10 +37,10 @@ def _env(tmpdir):
     return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(tmpdir))
 
 
-def _launch(tmp, *flags, timeout=600):
+def _launch(tmp, *flags, workers=WORKERS, per_worker=PER_WORKER, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "owt_tf.launch", "--workers", str(WORKERS),
-         "--devices-per-worker", str(PER_WORKER), "--", *flags],
+        [sys.executable, "-m", "owt_tf.launch", "--workers", str(workers),
+         "--devices-per-worker", str(per_worker), "--", *flags],
         capture_output=True, text=True, env=_env(tmp), timeout=timeout)
 
 
@@ -82,28 +83,34 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster_runs(tmp_path_factory):
-    """Each scheme's uninterrupted 2 x 2 run: logdir, launcher output, temp dir."""
+    """Each scheme's uninterrupted run (2 x 2 unless said): logdir, launcher output, temp dir."""
     runs = {}
 
-    def run(scheme):
-        if scheme not in runs:
+    def run(scheme, workers=WORKERS, per_worker=PER_WORKER):
+        key = (scheme, workers, per_worker)
+        if key not in runs:
             base = tmp_path_factory.mktemp(scheme)
             tmp = base / "tmp"
             tmp.mkdir()
             logdir = str(base / "run")
             proc = _launch(tmp, "--scheme", scheme, "--batch-size", str(BATCH), "--lr", str(LR),
                            *COMMON, "--checkpoint-every", "2", "--logdir", logdir,
-                           "--export-dir", str(base / "model"))
+                           "--export-dir", str(base / "model"), workers=workers,
+                           per_worker=per_worker)
             assert proc.returncode == 0, proc.stdout[-4000:]
-            runs[scheme] = (logdir, proc.stdout, tmp)
-        return runs[scheme]
+            runs[key] = (logdir, proc.stdout, tmp)
+        return runs[key]
 
     return run
 
 
-@pytest.mark.parametrize("scheme", ["owt-a", "owt-b", "owt-c"])
-def test_two_workers_match_one_device(reference, cluster_runs, scheme):
-    logdir, output, tmp = cluster_runs(scheme)
+@pytest.mark.parametrize("scheme,workers,per_worker", [
+    ("owt-a", 2, 2), ("owt-b", 2, 2), ("owt-c", 2, 2),
+    ("owt-c", 4, 1),  # one device per worker: what stock MultiWorkerMirroredStrategy gives a CPU
+])
+def test_workers_match_one_device(reference, cluster_runs, scheme, workers, per_worker):
+    assert workers * per_worker == K
+    logdir, output, tmp = cluster_runs(scheme, workers, per_worker)
     got = _tensors(logdir, STEPS)
     assert sorted(got) == sorted(reference)
     worst = {}
@@ -135,7 +142,7 @@ def test_two_workers_match_one_device(reference, cluster_runs, scheme):
     events = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
     assert len(events) == 1 and f".{chief_pid}." in os.path.basename(events[0])
     assert os.listdir(tmp) == []
-    assert "owt-" in output and "on 4 devices (2 workers x 2)" in output
+    assert f"{scheme} on 4 devices ({workers} workers x {per_worker})" in output
 
 
 def test_launcher_leaves_no_process_behind(cluster_runs):
