@@ -120,14 +120,12 @@ def make_multiworker_strategy(cluster: Cluster,
 # How long a task may stop answering before the coordination service declares it dead and
 # every other task's collectives are aborted (the default of 10 s is kept, said here).
 HEARTBEAT_TIMEOUT_S = 10
-# At exit a task waits this long for the others: a task that leaves first would make the
-# others' heartbeats fail ("Failed to send RPC to coordination service").
-SHUTDOWN_BARRIER_TIMEOUT_S = 30
 
 
 def _configure_coordination(cluster: Cluster) -> None:
     """TensorFlow's coordination service as MultiWorkerMirroredStrategy would configure it
-    (it does so only when nobody has), plus a shutdown barrier."""
+    (it does so only when nobody has), with its heartbeat timeout said here. No shutdown
+    barrier: the run's end is ordered by HybridStrategy.wait_for_workers / leave_cluster."""
     from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.python.eager import context
 
@@ -135,7 +133,6 @@ def _configure_coordination(cluster: Cluster) -> None:
     context.context().configure_coordination_service(
         service_type="standalone", service_leader=f"/job:{first_job}/replica:0/task:0",
         heartbeat_timeout_in_ms=HEARTBEAT_TIMEOUT_S * 1000,
-        shutdown_barrier_timeout_in_ms=SHUTDOWN_BARRIER_TIMEOUT_S * 1000,
         coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(addr))
                           for job, addr in cluster.jobs])
 
