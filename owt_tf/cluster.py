@@ -17,9 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
-import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 TASK_TYPES = ("chief", "worker")
 
@@ -64,25 +62,6 @@ class Cluster:
 
     def spec(self) -> Dict[str, List[str]]:
         return {job: list(addresses) for job, addresses in self.jobs}
-
-    def other_addresses(self) -> List[str]:
-        own = dict(self.jobs)[self.task_type][self.task_index]
-        return [a for _, addresses in self.jobs for a in addresses if a != own]
-
-
-def wait_until_closed(addresses: Sequence[str], timeout_s: float) -> bool:
-    """Waits until no server listens at any of `addresses` (their processes have ended);
-    False when some still did after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(addresses)
-    while pending and time.monotonic() < deadline:
-        host, _, port = pending[0].rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=0.5).close()
-            time.sleep(0.05)
-        except OSError:  # refused, unreachable: that task is gone
-            pending.pop(0)
-    return not pending
 
 
 def parse_cluster_flags(cluster: str, task_index: Optional[int]) -> Cluster:

@@ -125,7 +125,7 @@ HEARTBEAT_TIMEOUT_S = 10
 def _configure_coordination(cluster: Cluster) -> None:
     """TensorFlow's coordination service as MultiWorkerMirroredStrategy would configure it
     (it does so only when nobody has), with its heartbeat timeout said here. No shutdown
-    barrier: the run's end is ordered by HybridStrategy.wait_for_workers / leave_cluster."""
+    barrier: a finished worker ends without TF's teardown (owt_tf.train.exit_worker)."""
     from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.python.eager import context
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from typing import List, Optional
 
@@ -142,22 +143,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         trainer = Trainer(config)
     except (ConfigError, CheckpointMismatch, DatasetError) as err:
         return _fail(err)
+    code = 0
     try:
         trainer.fit()
-        trainer.hybrid.leave_cluster()
     except Interrupted as stop:
         print(f"python -m owt_tf.train: {stop}", file=sys.stderr)
-        return 128 + stop.signum  # the shell's convention for "ended by this signal"
+        code = 128 + stop.signum  # the shell's convention for "ended by this signal"
     except NonFiniteError as err:
         print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
-        return EXIT_NONFINITE
+        code = EXIT_NONFINITE
     except CheckpointWriteError as err:
         print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
-        return EXIT_WRITE
+        code = EXIT_WRITE
     except WorkerLost as err:
         print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
-        return EXIT_WORKER_LOST
-    return 0
+        code = EXIT_WORKER_LOST
+    if trainer.hybrid.num_workers > 1:
+        exit_worker(code)
+    return code
+
+
+def exit_worker(code: int) -> None:
+    """Ends a multi-worker process now, skipping TensorFlow's teardown. That teardown can
+    stall a worker for tens of seconds after the run, and a worker that outlives another
+    logs "Failed to send RPC to coordination service" / "tasks have crashed" from its
+    heartbeat (tensorflow/tensorflow#58434). Everything of the run is written by now
+    (checkpoints and exports synchronously, TensorBoard closed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -185,8 +185,7 @@ class HybridStrategy:
 
     def wait_for_workers(self, name: str, timeout_s: float = 600.0) -> None:
         """Returns once every worker of the cluster has called it with this `name` (the
-        coordination service's barrier); at once in one process. Workers that leave at
-        different times make the others' heartbeats fail with alarming log lines."""
+        coordination service's barrier); at once in one process."""
         if self.cluster is None:
             return
         from tensorflow.python.eager import context
@@ -194,16 +193,6 @@ class HybridStrategy:
         self._barriers = getattr(self, "_barriers", 0) + 1
         context.context().wait_at_barrier(f"owt_tf/{name}/{self._barriers}",
                                           int(timeout_s * 1000))
-
-    def leave_cluster(self, timeout_s: float = 30.0) -> None:
-        """Call last, after every worker passed wait_for_workers: the chief waits for the
-        other tasks to end first. The chief leads TensorFlow's coordination service, and a
-        task that outlives it logs "Failed to send RPC to coordination service ... the
-        leader task was preempted/died" from its heartbeat though all went well."""
-        if self.cluster is not None and self.is_chief:
-            from owt_tf.cluster import wait_until_closed
-
-            wait_until_closed(self.cluster.other_addresses(), timeout_s)
 
     def distribute_batches(self, dataset: tf.data.Dataset) -> tf.distribute.DistributedDataset:
         """A dataset of global batches (tuples whose first dimension is B*K) as per-replica
