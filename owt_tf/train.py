@@ -168,7 +168,11 @@ def exit_worker(code: int) -> None:
     stall a worker for tens of seconds after the run, and a worker that outlives another
     logs "Failed to send RPC to coordination service" / "tasks have crashed" from its
     heartbeat (tensorflow/tensorflow#58434). Everything of the run is written by now
-    (checkpoints and exports synchronously, TensorBoard closed)."""
+    (checkpoints and exports synchronously, TensorBoard closed). Python's own exit
+    handlers still run (autograph removes its temporary files in one)."""
+    import atexit
+
+    atexit._run_exitfuncs()  # noqa: SLF001 -- what sys.exit would run, without the C++ teardown
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
