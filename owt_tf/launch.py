@@ -112,6 +112,9 @@ class Workers:
                                     start_new_session=True, preexec_fn=_die_with_parent)
             self.procs.append(proc)
             self.say(f"worker {i}: pid {proc.pid}")
+        # Readers only once every worker is started: preexec_fn is unsafe while other
+        # threads run (subprocess' documentation).
+        for i, proc in enumerate(self.procs):
             thread = threading.Thread(target=self._stream, args=(i, proc), daemon=True)
             thread.start()
             self._threads.append(thread)
