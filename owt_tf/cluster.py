@@ -52,10 +52,6 @@ class Cluster:
     def is_chief(self) -> bool:
         return self.worker_id == 0
 
-    @property
-    def task_name(self) -> str:
-        return f"/job:{self.task_type}/task:{self.task_index}"
-
     def task_name_of(self, worker_id: int) -> str:
         job, index = self.tasks[worker_id]
         return f"/job:{job}/task:{index}"

@@ -71,4 +71,5 @@ def test_launcher_flags_and_addresses():
     ports = launch.free_ports(4)
     assert len(set(ports)) == 4
     addresses = [f"127.0.0.1:{p}" for p in ports]
-    assert parse_tf_config(launch.tf_config(addresses, 3)).task_name == "/job:worker/task:3"
+    parsed = parse_tf_config(launch.tf_config(addresses, 3))
+    assert parsed.worker_id == 3 and parsed.task_name_of(3) == "/job:worker/task:3"

@@ -67,9 +67,11 @@ class WorkerLost(RuntimeError):
         self.step = step
 
 
-PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.AbortedError,
-               tf.errors.DeadlineExceededError, tf.errors.FailedPreconditionError,
-               tf.errors.InternalError)
+def is_peer_failure(err: Exception) -> bool:
+    """Whether an op error means another task is gone: TF reports an aborted collective as
+    UnavailableError, and its gRPC errors name the remote task. Any other error is a bug
+    or bad input here, and is not dressed up as a lost worker."""
+    return isinstance(err, tf.errors.UnavailableError) or failed_task(err) is not None
 
 
 def failed_task(err: Exception) -> Optional[str]:

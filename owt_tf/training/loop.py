@@ -22,8 +22,8 @@ from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import RunCheckpoints
-from owt_tf.training.guard import (PEER_ERRORS, Interrupted, NonFiniteError, SignalStop,
-                                   StepSnapshot, WorkerLost, first_nonfinite)
+from owt_tf.training.guard import (Interrupted, NonFiniteError, SignalStop, StepSnapshot,
+                                   WorkerLost, first_nonfinite, is_peer_failure)
 from owt_tf.training.summaries import RunSummaries
 
 
@@ -246,8 +246,8 @@ class Trainer:
                 val_history.append([steps / steps_per_epoch, ev.top1_error])
                 self._export(log)
                 self.hybrid.wait_for_workers("fit_end")
-            except PEER_ERRORS as err:
-                if self.hybrid.num_workers == 1:
+            except tf.errors.OpError as err:
+                if self.hybrid.num_workers == 1 or not is_peer_failure(err):
                     raise
                 raise WorkerLost(int(self.step), err, self.checkpoints.latest) from None
             finally:
