@@ -92,6 +92,7 @@ class _Config:
 
         from owt_tf.models import build_model
         from owt_tf.parallel.strategy import HybridStrategy
+        from owt_tf.training.optim import build_optimizer
 
         self.scheme, self.k, self.jit = scheme, k, jit
         self.global_batch = args.batch_size * k
@@ -104,7 +105,7 @@ class _Config:
                                      args.fc_exchange if scheme != "data" else "gather",
                                      args.loss, jit=jit)
         self.model = self.hybrid.build_model(spec, seed=0)
-        self.optim = self.hybrid.build_optimizer(self.model, 0.001, 0.001, 0.9, 5e-4)
+        self.optim = build_optimizer(self.hybrid, self.model, 0.001, 0.001, 0.9, 5e-4)
         rng = np.random.default_rng(0)
         shape = (self.global_batch,) + tuple(spec.input_shape)
         images = (np.zeros(shape, np.float32) if args.count_only

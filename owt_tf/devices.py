@@ -10,12 +10,15 @@ worker's D devices as its local replicas; K = W * D.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+import threading
+from typing import Callable, List, Sequence, TypeVar
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
 
 from owt_tf.cluster import Cluster
+
+T = TypeVar("T")
 
 
 class DeviceError(RuntimeError):
@@ -164,3 +167,27 @@ class _LocalDevicesMultiWorkerStrategy(tf.distribute.MultiWorkerMirroredStrategy
         # the one MultiWorkerMirroredStrategy.__init__ would build.
         tf.distribute.Strategy.__init__(
             self, _LocalDevicesExtended(self, cluster_resolver, options, local_devices))
+
+
+def outside_strategy_scope(make: Callable[[], T]) -> T:
+    """Runs `make()` outside any tf.distribute scope the caller is in, and returns its result.
+
+    Variables created inside `strategy.scope()` are mirrored and ignore `tf.device`
+    (tensorflow/tensorflow#56416), but an FC shard must be one plain variable on one device,
+    and users call `owt_tf.parallelize` inside the scope. The scope (like TF's variable
+    creator stack) is per thread, so `make` runs in a thread of its own.
+    """
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = make()
+        except BaseException as err:  # re-raised in the caller's thread
+            result["error"] = err
+
+    worker = threading.Thread(target=run, name="owt_tf-outside-scope")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

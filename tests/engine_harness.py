@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from owt_tf.models import build_model
 from owt_tf.parallel import HybridStrategy
+from owt_tf.training.optim import build_optimizer
 from reference import ReferenceModel, rel_err
 
 # Small enough that 3 steps stay in a smooth region: on random labels larger rates amplify
@@ -29,7 +30,7 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
     spec = build_model(model, num_classes=classes, dropout=0.0)
     hybrid = HybridStrategy(devices[:k], scheme, batch, fc_batch, fc_exchange, loss, jit=jit)
     model = hybrid.build_model(spec, seed=7)
-    optim = hybrid.build_optimizer(model, CONV_LR, FC_LR, MOMENTUM, WD)
+    optim = build_optimizer(hybrid, model, CONV_LR, FC_LR, MOMENTUM, WD)
     ref = ReferenceModel(spec, seed=7)
     rounds = [hybrid.plan.round_rows(r) for r in range(hybrid.plan.num_rounds)]
 

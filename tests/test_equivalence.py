@@ -96,6 +96,6 @@ def test_reference_catches_a_wrong_gradient(devices, monkeypatch):
         result.activation_grad = result.activation_grad * plan.num_replicas
         return result
 
-    monkeypatch.setattr("owt_tf.parallel.strategy.run_fc_rounds", k_times_too_large)
+    monkeypatch.setattr("owt_tf.parallel.step.run_fc_rounds", k_times_too_large)
     result = compare_with_reference(devices, "owt-a", 2, 8, steps=1)
     assert result["worst"]["trunk_grads"] > 0.5

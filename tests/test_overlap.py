@@ -10,6 +10,7 @@ import tensorflow as tf
 from engine_harness import random_batches
 from owt_tf.models import alexnet_tiny
 from owt_tf.parallel import HybridStrategy
+from owt_tf.training.optim import build_optimizer
 
 
 def _graph_ops(hybrid, model, optim, batch):
@@ -39,7 +40,7 @@ def _ancestors(op):
 def test_exchanges_do_not_wait_on_fc_compute(devices, scheme, fc_batch):
     hybrid = HybridStrategy(devices[:4], scheme, 8, fc_batch)
     model = hybrid.build_model(alexnet_tiny(num_classes=10, dropout=0.0), seed=0)
-    optim = hybrid.build_optimizer(model, 0.01, 0.01, 0.9, 5e-4)
+    optim = build_optimizer(hybrid, model, 0.01, 0.01, 0.9, 5e-4)
     ops = _graph_ops(hybrid, model, optim, 8)
     exchanges = [op for name, op in ops.items()
                  if "exchange_round" in name and op.type.startswith("Collective")]

@@ -15,17 +15,51 @@ if TYPE_CHECKING:
     import keras
 
 
+HIDDEN_ACTIVATIONS = ("relu", "linear")
+OUTPUT_ACTIVATIONS = ("linear", "softmax")
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
-    """The fully connected layers after the trunk: hidden widths (ReLU + dropout) then logits."""
+    """The fully connected layers after the trunk: hidden layers (each with its activation and
+    the dropout rate after it), then the class layer.
+
+    `activations` / `dropouts` give one entry per hidden layer; left empty, every hidden layer
+    is ReLU followed by dropout at `dropout` (the registry models). `output_activation` is
+    'linear' (the model outputs logits) or 'softmax' (probabilities); the engine always
+    computes logits and applies it where the output is used.
+    """
 
     hidden: Tuple[int, ...]
     num_classes: int
     dropout: float = 0.5
+    activations: Tuple[str, ...] = ()
+    dropouts: Tuple[float, ...] = ()
+    output_activation: str = "linear"
+
+    def __post_init__(self):
+        n = len(self.hidden)
+        for field, values in (("activations", self.activations), ("dropouts", self.dropouts)):
+            if values and len(values) != n:
+                raise ValueError(f"HeadSpec.{field} needs one entry per hidden layer ({n}), "
+                                 f"got {len(values)}")
+        for a in self.activations:
+            if a not in HIDDEN_ACTIVATIONS:
+                raise ValueError(f"hidden FC activation {a!r} is not supported "
+                                 f"(one of {', '.join(HIDDEN_ACTIVATIONS)})")
+        if self.output_activation not in OUTPUT_ACTIVATIONS:
+            raise ValueError(f"output activation {self.output_activation!r} is not supported "
+                             f"(one of {', '.join(OUTPUT_ACTIVATIONS)})")
 
     @property
     def widths(self) -> Tuple[int, ...]:
         return tuple(self.hidden) + (self.num_classes,)
+
+    def hidden_activation(self, i: int) -> str:
+        return self.activations[i] if self.activations else "relu"
+
+    def hidden_dropout(self, i: int) -> float:
+        return self.dropouts[i] if self.dropouts else self.dropout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +84,20 @@ def fc_param_count(in_dim: int, head: HeadSpec) -> int:
 
 
 def initial_trunk_weights(trunk: "keras.Model", seed: int) -> List[np.ndarray]:
-    """He-uniform kernels and zero biases for `trunk`, drawn in numpy from `seed` alone."""
+    """He-uniform kernels drawn in numpy from `seed` alone; every other weight (biases,
+    BatchNormalization's gamma, beta and moving statistics, ...) keeps the value Keras gave
+    it (zeroing them all made gamma and the moving variance 0: a BatchNorm trunk never
+    trained)."""
     rng = np.random.default_rng([seed, 0])
     weights = []
     for w in trunk.weights:
         shape = tuple(w.shape)
-        if len(shape) > 1:
+        if len(shape) > 1 and w.trainable:
             fan_in = int(np.prod(shape[:-1]))
             limit = np.sqrt(6.0 / fan_in)
             weights.append(rng.uniform(-limit, limit, size=shape).astype(np.float32))
         else:
-            weights.append(np.zeros(shape, np.float32))
+            weights.append(np.asarray(w.numpy()))
     return weights
 
 

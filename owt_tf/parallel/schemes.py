@@ -75,6 +75,8 @@ class RoundsResult:
     loss_sum: tf.Tensor  # sum of per-example losses over the rows this replica reports
     correct: tf.Tensor  # number of those rows classified right
     count: int  # number of those rows
+    outputs: List[tf.Tensor]  # per round: the model's outputs for its rows (Keras metrics)
+    labels: List[tf.Tensor]  # per round: the labels of those rows
 
 
 FcUpdate = Callable[[List[tf.Tensor]], None]
@@ -115,13 +117,15 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
     summed_fc: Optional[List[tf.Tensor]] = None
     applied: List[List[tf.Tensor]] = []
     loss_sum, correct, count = tf.constant(0.0), tf.constant(0), 0
+    round_outputs: List[tf.Tensor] = []
+    round_labels_seen: List[tf.Tensor] = []
     for r in rounds:
         round_seed = None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
         round_labels = labels if plan.num_rounds == 1 else tf.gather(labels, plan.round_rows(r))
         with tf.GradientTape() as tape, tf.name_scope(f"fc_round{r}"):
             tape.watch(inputs[r])
             logits = head.forward(inputs[r], shard, training, round_seed)
-            ce, right = head.loss_terms(logits, round_labels, shard)
+            ce, right, outputs = head.loss_terms(logits, round_labels, shard)
             loss = tf.reduce_mean(ce) * loss_weight
         grads = tape.gradient(loss, [inputs[r]] + shard_vars)
         input_grads.append(grads[0] / plan.num_rounds)
@@ -134,10 +138,13 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
         loss_sum += tf.reduce_sum(ce)
         correct += tf.reduce_sum(tf.cast(right, tf.int32))
         count += int(ce.shape[0])
+        round_outputs.append(outputs)
+        round_labels_seen.append(round_labels)
     if not plan.updates_fc_every_round:
         averaged = [g / plan.num_rounds for g in summed_fc]
         apply_fc_update(averaged)
         applied.append(averaged)
     activation_grad = tf.add_n([tape.gradient(x, a_local, output_gradients=g)
                                 for tape, x, g in zip(exchange_tapes, inputs, input_grads)])
-    return RoundsResult(activation_grad, applied, loss_sum, correct, count)
+    return RoundsResult(activation_grad, applied, loss_sum, correct, count, round_outputs,
+                        round_labels_seen)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -80,6 +81,16 @@ class ShardedDense(tf.Module):
     def shard_variables(self, k: int) -> List[tf.Variable]:
         return [self.kernels[k], self.biases[k]]
 
+    def joined_variables(self) -> Tuple[tf.Tensor, tf.Tensor]:
+        """The whole (kernel, bias) as tensors, joined from every shard (all must be local)."""
+        if len(self.local_shards) != self.num_shards:
+            raise RuntimeError(f"{self.name}: joining shards needs every shard in this process")
+        ks = [self.kernels[i] for i in range(self.num_shards)]
+        bs = [self.biases[i] for i in range(self.num_shards)]
+        kernel = tf.concat(ks, axis=1 if self.split == COL else 0)
+        bias = tf.concat(bs, axis=0)
+        return kernel[:, :self.out_dim], bias[:self.out_dim]
+
     def forward_shard(self, x: tf.Tensor, k: int) -> tf.Tensor:
         """x @ kernel_k + bias_k. For ROW, x is this shard's input slice and the bias slice
         lands on its own columns, so the all-reduce that follows adds every bias once."""
@@ -123,6 +134,8 @@ class ShardedHead(tf.Module):
         self.spec = spec
         self.num_shards = k
         self.loss_mode = loss
+        # (labels, outputs) -> per-example loss; None: cross-entropy on the logits.
+        self.per_example_loss: Optional[Callable[[tf.Tensor, tf.Tensor], tf.Tensor]] = None
         plan = split_plan(len(spec.widths), fc_exchange)
         self.layers = [
             ShardedDense(f"fc{i}", kern, bias, split, devices, local)
@@ -144,14 +157,15 @@ class ShardedHead(tf.Module):
 
         Between layers: a column-split layer's output slices are all-gathered, unless the next
         layer is row-split and takes the slice as it is; a row-split layer's partial sums are
-        all-reduced.
+        all-reduced. This is the one FC forward pass: training, evaluation and prediction
+        run it; `forward_assembled` is the same math with every shard on one device.
         """
         layers = self.layers
         for i, layer in enumerate(layers[:-1]):
             z = layer.forward_shard(x, k)
             if layer.split == ROW:
                 z = self._exchange(coll.all_reduce_sum, z)
-            h = tf.nn.relu(z)
+            h = self._activate(i, z)
             # A ROW layer's output is whole and identical on every replica: same mask for all.
             h = self._dropout(h, training, seed, i, k if layer.split == COL else 0)
             if layer.split == COL and layers[i + 1].split == COL:
@@ -159,32 +173,66 @@ class ShardedHead(tf.Module):
             x = h
         return layers[-1].forward_shard(x, k)
 
+    def forward_assembled(self, x: tf.Tensor) -> tf.Tensor:
+        """Logits [rows, classes] of `x` in inference mode, computed on one device from every
+        shard's variables joined (needs all shards in this process): what a one-device model
+        with these weights computes. Serves calls outside a replica (Keras' symbolic build,
+        a plain `model(x)`)."""
+        for i, layer in enumerate(self.layers):
+            kernel, bias = layer.joined_variables()
+            x = tf.matmul(x, kernel) + bias
+            if i < len(self.layers) - 1:
+                x = self._activate(i, x)
+        return x
+
+    def outputs(self, logits: tf.Tensor) -> tf.Tensor:
+        """What the model outputs for these (unpadded) logits: themselves, or their softmax.
+        Keras' softmax keeps the logits on its result, so Keras' cross-entropy on it is
+        computed from the logits, as for the user's own model."""
+        if self.spec.output_activation == "softmax":
+            return keras.activations.softmax(logits, axis=-1)
+        return logits
+
+    def _activate(self, i: int, z: tf.Tensor) -> tf.Tensor:
+        return tf.nn.relu(z) if self.spec.hidden_activation(i) == "relu" else z
+
     def _exchange(self, op, t):
         return t if self.num_shards == 1 else op(t, coll.FC_EXCHANGE)
 
     def _dropout(self, h, training, seed, layer_index, salt):
-        rate = self.spec.dropout
+        rate = self.spec.hidden_dropout(layer_index)
         if not training or rate == 0.0:
             return h
         layer_seed = tf.random.experimental.stateless_fold_in(seed, layer_index * 1024 + salt)
         return tf.nn.experimental.stateless_dropout(h, rate=rate, seed=layer_seed)
 
-    def loss_terms(self, logits_shard: tf.Tensor, labels: tf.Tensor, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
-        """Per-example cross-entropy and top-1 correctness for rows whose labels are `labels`.
+    def loss_terms(self, logits_shard: tf.Tensor, labels: tf.Tensor,
+                   k: int) -> Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]:
+        """Per-example loss, top-1 correctness and the model's outputs (None under the
+        sharded loss) for rows whose labels are `labels`.
 
-        'gathered' all-gathers the logits; 'sharded' never does: the softmax normalizer and
-        the target logit are summed across shards, the max (which only stabilizes) is
-        gathered without gradient, since ReduceOp has no MAX.
+        The loss is `self.per_example_loss(labels, outputs)` when set (a Keras model's
+        compiled loss), else sparse softmax cross-entropy on the logits. 'gathered'
+        all-gathers the logits; 'sharded' never does: the softmax normalizer and the target
+        logit are summed across shards, the max (which only stabilizes) is gathered without
+        gradient, since ReduceOp has no MAX.
         """
         if self.loss_mode == "sharded" and self.num_shards > 1:
-            return self._sharded_cross_entropy(logits_shard, labels, k)
+            ce, correct = self._sharded_cross_entropy(logits_shard, labels, k)
+            return ce, correct, None
         logits = logits_shard
         if self.num_shards > 1:
             logits = coll.all_gather(logits_shard, 1, coll.LOGITS)
         logits = logits[:, : self.spec.num_classes]
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-        correct = tf.equal(tf.argmax(logits, axis=1, output_type=labels.dtype), labels)
-        return ce, correct
+        outputs = self.outputs(logits)
+        if self.per_example_loss is not None:
+            ce = self.per_example_loss(labels, outputs)
+        else:
+            ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        sparse = labels.shape.rank == 1
+        target = labels if sparse else tf.argmax(labels, axis=-1, output_type=tf.int32)
+        correct = tf.equal(tf.argmax(logits, axis=1, output_type=target.dtype), target)
+        return ce, correct, outputs
 
     def _sharded_cross_entropy(self, logits, labels, k):
         width = logits.shape[1]

@@ -14,26 +14,30 @@ Usage (train_step inside a tf.function):
 
     hybrid = HybridStrategy(devices, "owt-b", batch_size=128, fc_batch="worker")
     model = hybrid.build_model(spec, seed)
-    optim = hybrid.build_optimizer(model, conv_lr, fc_lr, momentum, weight_decay)
+    optim = owt_tf.training.optim.build_optimizer(hybrid, model, conv_lr, fc_lr, momentum,
+                                                  weight_decay)
     metrics = hybrid.train_step(model, optim, dist_images, dist_labels, dropout_seed)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from owt_tf.cluster import Cluster
-from owt_tf.devices import make_multiworker_strategy, make_strategy, replica_devices
+from owt_tf.devices import (make_multiworker_strategy, make_strategy, outside_strategy_scope,
+                            replica_devices)
 from owt_tf.models.spec import ModelSpec, initial_head_weights, initial_trunk_weights
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.schemes import SchemePlan, run_fc_rounds
+from owt_tf.parallel.plan import ParallelPlan
+from owt_tf.parallel.schemes import SchemePlan
 from owt_tf.parallel.shards import ShardedHead, ShardReader, assemble, read_local_shards
-from owt_tf.training.optim import MirroredSGD, ShardSGD
+from owt_tf.parallel.step import replica_logits, replica_train_step, shard_index
 
 
 @dataclasses.dataclass
@@ -59,32 +63,43 @@ class DistributedModel:
         return named
 
 
-@dataclasses.dataclass
-class HybridOptimizer:
-    trunk: MirroredSGD
-    fc_mirrored: Optional[MirroredSGD]  # pure data parallelism
-    fc_shards: Optional[ShardSGD]  # model parallelism
+_ACTIVE: List["HybridStrategy"] = []  # entered HybridStrategy scopes, innermost last
 
-    @property
-    def fc_learning_rate(self) -> tf.Variable:
-        fc = self.fc_shards if self.fc_shards is not None else self.fc_mirrored
-        return fc.learning_rate
 
-    def set_learning_rates(self, conv_lr: float, fc_lr: float) -> None:
-        self.trunk.learning_rate.assign(conv_lr)
-        self.fc_learning_rate.assign(fc_lr)
+def current_strategy() -> Optional["HybridStrategy"]:
+    """The HybridStrategy whose `scope()` is innermost on this thread, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 class HybridStrategy:
-    """The custom distribution strategy of owt_tf (wraps a MirroredStrategy)."""
+    """The custom distribution strategy of owt_tf (wraps a MirroredStrategy).
 
-    def __init__(self, devices: Sequence[str], scheme: str, batch_size: int,
-                 fc_batch: str = "global", fc_exchange: str = "gather",
-                 loss: str = "gathered", jit: bool = False, cluster: Optional[Cluster] = None):
-        """`devices`: this process's devices. With a `cluster` of several workers, every
-        worker passes its own D devices and the run has W * D replicas."""
+        strategy = owt_tf.HybridStrategy(devices=4, scheme="owt-b", fc_batch="worker")
+        with strategy.scope():
+            model = owt_tf.parallelize(keras_model)
+
+    `devices`: a count K (K GPUs when there are that many, else K logical CPUs) or this
+    process's device names. With a `cluster` of several workers, every worker passes its
+    own D devices and the run has W * D replicas. `batch_size` (per replica) is needed only
+    by the CLI's loop, which knows it up front; Keras' `fit` takes it from the data.
+    """
+
+    def __init__(self, devices: Union[int, Sequence[str]] = 2, scheme: str = "owt-b",
+                 batch_size: Optional[int] = None, fc_batch: str = "global",
+                 fc_exchange: str = "gather", loss: str = "gathered", jit: bool = False,
+                 cluster: Optional[Cluster] = None):
+        self.parallel_plan = ParallelPlan(scheme, fc_batch, fc_exchange, loss, jit)
+        if isinstance(devices, int):
+            self.parallel_plan.check_devices(devices)
+            from owt_tf.devices import setup_devices
+
+            devices = setup_devices(devices)
         self.local_devices = list(devices)
         self.cluster = cluster if cluster is not None and cluster.num_workers > 1 else None
+        num_replicas = len(self.local_devices) * (self.cluster.num_workers if self.cluster else 1)
+        self.parallel_plan.check_devices(num_replicas)
+        if batch_size is not None:
+            self.parallel_plan.check_batch(num_replicas, batch_size)
         if self.cluster is None:
             self.strategy = make_strategy(self.local_devices)
             self.devices, self.worker_id = list(self.local_devices), 0
@@ -92,7 +107,9 @@ class HybridStrategy:
             self.strategy = make_multiworker_strategy(self.cluster, self.local_devices)
             self.devices = replica_devices(self.cluster, self.local_devices)
             self.worker_id = self.cluster.worker_id
-        self.plan = SchemePlan(scheme, len(self.devices), batch_size, fc_batch)
+        # The rounds of a step at the CLI's fixed batch size (Keras: per batch shape).
+        self.plan: Optional[SchemePlan] = (
+            self.parallel_plan.rounds(num_replicas, batch_size) if batch_size else None)
         self.fc_exchange = fc_exchange
         self.loss = loss
         self.jit = jit
@@ -100,6 +117,29 @@ class HybridStrategy:
         self._compiled_gathers: Dict[tuple, tf.types.experimental.GenericFunction] = {}
         self._compiled_sums: Dict[int, tf.types.experimental.GenericFunction] = {}
         self.ledger = coll.TrafficLedger()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["HybridStrategy"]:
+        """The wrapped strategy's scope (variables created in it are mirrored: the trunk),
+        and the strategy `owt_tf.parallelize` uses when none is passed."""
+        _ACTIVE.append(self)
+        try:
+            with self.strategy.scope():
+                yield self
+        finally:
+            _ACTIVE.pop()
+
+    @property
+    def scheme(self) -> str:
+        return str(self.parallel_plan.scheme)
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.parallel_plan.model_parallel
+
+    def scheme_plan(self, batch_size: int) -> SchemePlan:
+        """The rounds of a step whose replicas hold `batch_size` rows each."""
+        return self.parallel_plan.rounds(self.num_replicas, batch_size)
 
     @property
     def num_replicas(self) -> int:
@@ -127,32 +167,26 @@ class HybridStrategy:
             trunk = spec.build_trunk()
         trunk.set_weights(initial_trunk_weights(trunk, seed))
         full = initial_head_weights(spec.trunk_output_dim(trunk), spec.head, seed)
-        if self.plan.model_parallel:
+        return DistributedModel(spec, trunk, self.place_head(spec.head, full), self.read_shards)
+
+    def place_head(self, spec, full_weights) -> ShardedHead:
+        """Where FC shards are placed: shard k on replica k's device (each process creates only
+        its own); under pure data parallelism one mirrored copy."""
+        if self.model_parallel:
             # Outside strategy.scope(): tf.device is ignored for variables created inside it
             # (tensorflow/tensorflow#56416).
-            head = ShardedHead(spec.head, full, self.devices, self.fc_exchange, self.loss,
-                               local=self.local_replicas)
-        else:
-            with self.strategy.scope():
-                head = ShardedHead(spec.head, full, [None], "gather", "gathered")
-        return DistributedModel(spec, trunk, head, self.read_shards)
-
-    def build_optimizer(self, model: DistributedModel, conv_lr: float, fc_lr: float,
-                        momentum: float, weight_decay: float) -> HybridOptimizer:
-        trunk = MirroredSGD(self.strategy, model.trunk.trainable_variables, conv_lr, momentum,
-                            weight_decay, coll.CONV_GRAD)
-        if self.plan.model_parallel:
-            shards = {k: model.head.shard_variables(k) for k in model.head.local_shards}
-            return HybridOptimizer(trunk, None, ShardSGD(shards, fc_lr, momentum, weight_decay))
-        fc = MirroredSGD(self.strategy, model.head.shard_variables(0), fc_lr, momentum,
-                         weight_decay, coll.FC_GRAD)
-        return HybridOptimizer(trunk, fc, None)
+            # A thread of its own: the caller may be inside a strategy scope.
+            return outside_strategy_scope(lambda: ShardedHead(
+                spec, full_weights, self.devices, self.fc_exchange, self.loss,
+                local=self.local_replicas))
+        with self.strategy.scope():
+            return ShardedHead(spec, full_weights, [None], "gather", "gathered")
 
     def read_shards(self, per_shard: Dict[int, List[tf.Variable]]) -> List[List[np.ndarray]]:
         """Values of every FC shard's variables (the ShardReader of this strategy's models):
         read directly in one process; in a cluster gathered from all workers by a
         collective, so every worker must call it at the same point."""
-        if self.cluster is None or not self.plan.model_parallel:
+        if self.cluster is None or not self.model_parallel:
             return read_local_shards(per_shard)
         key = tuple(id(v) for k in sorted(per_shard) for v in per_shard[k])
         if key not in self._compiled_gathers:
@@ -232,7 +266,7 @@ class HybridStrategy:
         return self.strategy.run(placed, args=args)
 
     # -- steps (call inside a tf.function) ------------------------------------------------
-    def train_step(self, model: DistributedModel, optim: HybridOptimizer, images, labels,
+    def train_step(self, model: DistributedModel, optim, images, labels,
                    seed: Optional[tf.Tensor] = None, with_grads: bool = False) -> Dict[str, tf.Tensor]:
         """One optimizer step on a distributed batch. Returns loss, error and (optionally) grads.
 
@@ -263,7 +297,7 @@ class HybridStrategy:
             for li, layer in enumerate(model.head.layers):
                 kern = [np.asarray(r[u][2 * li]) for r in per_replica]
                 bias = [np.asarray(r[u][2 * li + 1]) for r in per_replica]
-                grads += (list(assemble(layer, kern, bias)) if self.plan.model_parallel
+                grads += (list(assemble(layer, kern, bias)) if self.model_parallel
                           else [sum(kern), sum(bias)])
             updates.append(grads)
         return updates
@@ -296,14 +330,15 @@ class HybridStrategy:
 
     def predict_step(self, model: DistributedModel, images) -> tf.Tensor:
         """Logits [global batch, classes] of a distributed batch, rows in global order."""
-        if not self.plan.model_parallel:
+        if not self.model_parallel:
             self._check_one_process("predict_step under data parallelism")
         out = self._run(functools.partial(self._replica_logits, model), images)
         local = self.strategy.experimental_local_results(out)
-        return local[0] if self.plan.model_parallel else tf.concat(list(local), axis=0)
+        return local[0] if self.model_parallel else tf.concat(list(local), axis=0)
 
-    def _trunk(self, model: DistributedModel, training: bool):
-        """The trunk's forward pass; with jit, an XLA-compiled function per replica.
+    def trunk_forward(self, trunk: keras.Model, training: bool):
+        """The trunk's forward pass as a step.TrunkForward; with jit, an XLA-compiled function
+        per replica.
 
         Only this pure compute block is compiled: jit_compile on the whole step or replica
         function fails ("Trying to access resource ... located in device CPU:1 from device
@@ -312,35 +347,30 @@ class HybridStrategy:
         per replica, so that each captures its own replica's variables.
         """
         def forward(images):
-            return model.trunk(images, training=training)
+            return trunk(images, training=training)
 
-        if not self.jit:
-            return forward
-        key = (id(model), training, coll.replica_id())
-        if key not in self._compiled_trunks:
-            self._compiled_trunks[key] = tf.function(forward, jit_compile=True)
-        return self._compiled_trunks[key]
+        compiled = forward
+        if self.jit:
+            key = (id(trunk), training, coll.replica_id())
+            if key not in self._compiled_trunks:
+                self._compiled_trunks[key] = tf.function(forward, jit_compile=True)
+            compiled = self._compiled_trunks[key]
 
-    def _shard_index(self) -> int:
-        return coll.replica_id() if self.plan.model_parallel else 0
+        def with_regularization(images):
+            activations = compiled(images)
+            losses = trunk.losses if training else []
+            return activations, (tf.add_n(losses) if losses else None)
+
+        return with_regularization
 
     def _replica_train_step(self, model, optim, images, labels, seed, with_grads):
-        shard = self._shard_index()
+        plan = self.plan
         trunk_vars = model.trunk.trainable_variables
-        with tf.GradientTape() as trunk_tape:
-            activations = self._trunk(model, True)(images)
 
-        def apply_fc(grads):
-            if optim.fc_shards is not None:
-                optim.fc_shards.apply(shard, grads)
-            else:
-                optim.fc_mirrored.apply(grads)
-
-        rounds = run_fc_rounds(self.plan, model.head, activations, labels, shard, True, seed,
-                               apply_fc)
-        trunk_grads = trunk_tape.gradient(activations, trunk_vars,
-                                          output_gradients=rounds.activation_grad)
-        optim.trunk.apply(trunk_grads)
+        step = replica_train_step(plan, model.head, self.trunk_forward(model.trunk, True),
+                                  trunk_vars, images, labels, seed, optim.trunk.apply,
+                                  optim.fc.apply)
+        rounds, trunk_grads = step.rounds, step.trunk_grads
         # The numerical guard's input: is each of these finite on this replica (names:
         # finite_check_names). Checked here, where every gradient exists, for one pass each.
         checks = [rounds.loss_sum] + list(trunk_grads) + [g for u in rounds.fc_grads for g in u]
@@ -353,20 +383,12 @@ class HybridStrategy:
         return out
 
     def _replica_logits(self, model, images):
-        """Logits of the rows this replica reports: all rows (model parallel) or its own."""
-        shard = self._shard_index()
-        activations = self._trunk(model, False)(images)
-        model_parallel = self.plan.model_parallel
-        rows = coll.all_gather(activations, 0, coll.ACTIVATIONS) if model_parallel else activations
-        head = model.head
-        logits = head.forward(rows, shard, False, None)
-        if head.num_shards > 1:
-            logits = coll.all_gather(logits, 1, coll.LOGITS)
-        return logits[:, : head.spec.num_classes]
+        return replica_logits(self.model_parallel, model.head,
+                              self.trunk_forward(model.trunk, False), images)
 
     def _replica_eval_step(self, model, images, labels):
         logits = self._replica_logits(model, images)
-        if self.plan.model_parallel:
+        if self.model_parallel:
             labels = coll.gather_labels(labels)
         head = model.head
         valid = labels >= 0
@@ -391,7 +413,7 @@ class HybridStrategy:
                 merged[key] = local
             elif key == "finite":
                 merged[key] = tf.reduce_all(tf.stack(list(local)), axis=0)
-            elif self.plan.model_parallel:
+            elif self.model_parallel:
                 merged[key] = local[0]
             elif self.cluster is not None:
                 merged[key] = self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)

@@ -59,11 +59,7 @@ class FcState(trackable.Trackable):
 
     def _momenta(self, k: int) -> List[tf.Variable]:
         """Shard k's momentum variables, in the order of head.shard_variables(k)."""
-        if self._optim.fc_shards is not None:
-            return self._optim.fc_shards.slots[k]
-        keras_opt = self._optim.fc_mirrored.optimizer
-        return [keras_opt.momentums[keras_opt._get_variable_index(v)]  # noqa: SLF001
-                for v in self._head.shard_variables(k)]
+        return self._optim.fc.slots(k)
 
     def _shard_state(self, k: int) -> List[tf.Variable]:
         """[W0, b0, W1, b1, ..., then their momenta in the same order] of shard k."""

@@ -22,6 +22,7 @@ from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import RunCheckpoints
+from owt_tf.training.optim import build_optimizer
 from owt_tf.training.guard import (Interrupted, NonFiniteError, SignalStop, StepSnapshot,
                                    WorkerLost, first_nonfinite, is_peer_failure)
 from owt_tf.training.summaries import RunSummaries
@@ -67,8 +68,8 @@ class Trainer:
                                     manual_dir=config.manual_dir)
         self.spec = build_model(config.model, self.dataset.num_classes, config.dropout)
         self.model = self.hybrid.build_model(self.spec, config.seed)
-        self.optimizer = self.hybrid.build_optimizer(
-            self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)
+        self.optimizer = build_optimizer(
+            self.hybrid, self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         # Where the input stream continues (examples read, unreadable ones included) and
         # the run's counts of skipped inputs and steps: checkpointed with the weights.
@@ -107,13 +108,9 @@ class Trainer:
     def _state_variables(self) -> List[tf.Variable]:
         """Every variable a step changes except the step counter: weights and optimizer state."""
         model, optim = self.model, self.optimizer
-        variables = list(model.trunk.variables) + list(optim.trunk.optimizer.variables)
+        variables = list(model.trunk.variables) + optim.state_variables()
         for k in model.head.local_shards:
             variables += model.head.shard_variables(k)
-        if optim.fc_shards is not None:
-            variables += [slot for slots in optim.fc_shards.slots.values() for slot in slots]
-        else:
-            variables += list(optim.fc_mirrored.optimizer.variables)
         return variables
 
     # -- compiled bodies ------------------------------------------------------------------

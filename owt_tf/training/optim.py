@@ -15,6 +15,7 @@ gives silently wrong weights (DESIGN.md), so the two kinds never share an optimi
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Sequence
 
 import keras
@@ -47,6 +48,20 @@ class MirroredSGD:
                     sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in decayed))
         self.optimizer.apply_gradients(zip(decayed, self.variables))
 
+    def state_variables(self) -> List[tf.Variable]:
+        return list(self.optimizer.variables)
+
+
+class MirroredFcSGD(MirroredSGD):
+    """The FC layers under pure data parallelism: one mirrored copy ("shard" 0)."""
+
+    def apply(self, shard: int, grads: Sequence[tf.Tensor]) -> None:  # type: ignore[override]
+        super().apply(grads)
+
+    def slots(self, shard: int) -> List[tf.Variable]:
+        """Momentum of each variable, in the order the variables were given."""
+        return list(self.optimizer.momentums)
+
 
 class ShardSGD(tf.Module):
     """The same rule for FC shards: momentum kept next to each shard, updated locally.
@@ -61,18 +76,57 @@ class ShardSGD(tf.Module):
         self.momentum = momentum
         self.weight_decay = weight_decay
         self.learning_rate = tf.Variable(learning_rate, trainable=False, name="fc_lr")
-        self.slots: Dict[int, List[tf.Variable]] = {}
+        self.slots_by_shard: Dict[int, List[tf.Variable]] = {}
         for k, variables in shard_vars.items():
             slots = []
             for v in variables:
                 with tf.device(v.device):
                     slots.append(tf.Variable(tf.zeros_like(v), trainable=False,
                                              name=v.name.split(":")[0] + "_momentum"))
-            self.slots[k] = slots
+            self.slots_by_shard[k] = slots
         self._vars = {k: list(vs) for k, vs in shard_vars.items()}
+
+    def slots(self, shard: int) -> List[tf.Variable]:
+        return self.slots_by_shard[shard]
+
+    def state_variables(self) -> List[tf.Variable]:
+        return [m for slots in self.slots_by_shard.values() for m in slots]
 
     def apply(self, shard: int, grads: Sequence[tf.Tensor]) -> None:
         lr = tf.identity(self.learning_rate)
-        for v, m, g in zip(self._vars[shard], self.slots[shard], grads):
+        for v, m, g in zip(self._vars[shard], self.slots_by_shard[shard], grads):
             m.assign(self.momentum * m - lr * (g + self.weight_decay * v))
             v.assign_add(m)
+
+
+@dataclasses.dataclass
+class HybridOptimizer:
+    """The run's two optimizers: the trunk's (mirrored, all-reduced) and the FC layers'
+    (`apply(shard, grads)`, `slots(shard)`: one interface for shards and the mirrored copy)."""
+
+    trunk: MirroredSGD
+    fc: "MirroredFcSGD | ShardSGD"
+
+    @property
+    def fc_learning_rate(self) -> tf.Variable:
+        return self.fc.learning_rate
+
+    def set_learning_rates(self, conv_lr: float, fc_lr: float) -> None:
+        self.trunk.learning_rate.assign(conv_lr)
+        self.fc_learning_rate.assign(fc_lr)
+
+    def state_variables(self) -> List[tf.Variable]:
+        return self.trunk.state_variables() + self.fc.state_variables()
+
+
+def build_optimizer(hybrid, model, conv_lr: float, fc_lr: float, momentum: float,
+                    weight_decay: float) -> HybridOptimizer:
+    """The optimizers of a HybridStrategy's DistributedModel."""
+    trunk = MirroredSGD(hybrid.strategy, model.trunk.trainable_variables, conv_lr, momentum,
+                        weight_decay, coll.CONV_GRAD)
+    if hybrid.model_parallel:
+        shards = {k: model.head.shard_variables(k) for k in model.head.local_shards}
+        return HybridOptimizer(trunk, ShardSGD(shards, fc_lr, momentum, weight_decay))
+    fc = MirroredFcSGD(hybrid.strategy, model.head.shard_variables(0), fc_lr, momentum,
+                       weight_decay, coll.FC_GRAD)
+    return HybridOptimizer(trunk, fc)

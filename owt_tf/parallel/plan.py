@@ -1,0 +1,109 @@
+"""The parallel plan: how a model is split and how its activations move, as one value.
+
+`ParallelPlan` holds the choices (scheme, FC batch, FC-to-FC exchange, loss, XLA) and every
+rule that ties them to a device count and a batch size. The strategy, the run config, the
+traffic model and the benchmarks all take one of these instead of the loose strings.
+Pure Python: the CLI checks a plan before TensorFlow loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional, Sequence
+
+
+class Scheme(str, enum.Enum):
+    """single: one device; data: plain data parallelism (FC layers mirrored); owt-a/b/c: the
+    paper's schemes (a) all-gather, (b) one worker's batch per round, (c) 1/K of every
+    worker's batch per round."""
+
+    SINGLE = "single"
+    DATA = "data"
+    OWT_A = "owt-a"
+    OWT_B = "owt-b"
+    OWT_C = "owt-c"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SCHEMES = tuple(s.value for s in Scheme)
+FC_BATCH_MODES = ("global", "worker")
+FC_EXCHANGES = ("gather", "colrow")
+LOSS_MODES = ("gathered", "sharded")
+
+
+class PlanError(ValueError):
+    """A plan that cannot work; `field` names the ParallelPlan field (or 'devices',
+    'batch_size', 'model') at fault."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _choice(field: str, value, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise PlanError(field, f"expected one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelPlan:
+    """What is split and how it moves. `fc_batch='worker'` updates the FC layers after every
+    round on one worker's rows (the paper's (128K, 128) recipe); 'global' once per step."""
+
+    scheme: Scheme = Scheme.OWT_B
+    fc_batch: str = "global"
+    fc_exchange: str = "gather"
+    loss: str = "gathered"
+    jit: bool = False
+
+    def __post_init__(self):
+        _choice("scheme", str(getattr(self.scheme, "value", self.scheme)), SCHEMES)
+        object.__setattr__(self, "scheme", Scheme(getattr(self.scheme, "value", self.scheme)))
+        _choice("fc_batch", self.fc_batch, FC_BATCH_MODES)
+        _choice("fc_exchange", self.fc_exchange, FC_EXCHANGES)
+        _choice("loss", self.loss, LOSS_MODES)
+        if self.fc_batch == "worker" and self.scheme not in (Scheme.OWT_B, Scheme.OWT_C,
+                                                             Scheme.SINGLE):
+            raise PlanError("fc_batch", "'worker' needs scheme owt-b or owt-c (rounds of one "
+                            f"worker's batch), got {self.scheme}")
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.scheme != Scheme.DATA
+
+    def check_devices(self, num_replicas: int) -> "ParallelPlan":
+        if num_replicas < 1:
+            raise PlanError("devices", f"need at least 1 device, got {num_replicas}")
+        if self.scheme == Scheme.SINGLE and num_replicas != 1:
+            raise PlanError("devices", f"scheme 'single' runs on 1 device, got {num_replicas}")
+        return self
+
+    def check_batch(self, num_replicas: int, batch_size: int) -> "ParallelPlan":
+        """`batch_size` is per replica (the global batch is batch_size * K)."""
+        if batch_size < 1:
+            raise PlanError("batch_size", f"must be >= 1, got {batch_size}")
+        if self.scheme == Scheme.OWT_C and batch_size % num_replicas:
+            raise PlanError("batch_size", f"owt-c sends batch_size/K examples per round: "
+                            f"{batch_size} is not divisible by K = {num_replicas}")
+        return self
+
+    def check_widths(self, hidden_widths: Sequence[int], num_replicas: int,
+                     names: Optional[Sequence[str]] = None) -> "ParallelPlan":
+        """Hidden FC widths must split evenly over the shards (class counts are padded)."""
+        if not self.model_parallel:
+            return self
+        for i, width in enumerate(hidden_widths):
+            if width % num_replicas:
+                name = names[i] if names else f"FC layer {i}"
+                raise PlanError("devices", f"{name}: width {width} is not divisible by "
+                                f"{num_replicas} devices")
+        return self
+
+    def rounds(self, num_replicas: int, batch_size: int):
+        """The rounds of one step at K replicas of `batch_size` rows (a SchemePlan)."""
+        from owt_tf.parallel.schemes import SchemePlan
+
+        self.check_devices(num_replicas).check_batch(num_replicas, batch_size)
+        return SchemePlan(str(self.scheme), num_replicas, batch_size, self.fc_batch)

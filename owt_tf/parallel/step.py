@@ -1,0 +1,76 @@
+"""What one replica does in a step: trunk forward, the FC rounds, trunk backward, updates.
+
+Both drivers call these functions inside `strategy.run`: the CLI's custom loop (through
+HybridStrategy.train_step) and Keras' `Model.fit` (through ParallelModel.train_step). They
+differ only in what they pass in: how the trunk runs (with or without XLA), which
+optimizers apply the updates, and which loss the head computes.
+
+    activations = trunk(images)                        data-parallel, this replica's rows
+    rounds      = run_fc_rounds(...)                   the scheme's exchanges + FC shards
+    trunk grads = d activations^T . activation_grad    back through the trunk
+    apply_trunk(trunk grads)                           all-reduced by the trunk's optimizer
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.schemes import RoundsResult, SchemePlan, run_fc_rounds
+from owt_tf.parallel.shards import ShardedHead
+
+# images -> (last conv activations, extra trunk loss or None). The extra loss (a Keras
+# trunk's regularization losses) is added to the trunk's objective once per model.
+TrunkForward = Callable[[tf.Tensor], Tuple[tf.Tensor, Optional[tf.Tensor]]]
+ApplyTrunk = Callable[[List[tf.Tensor]], None]
+ApplyFc = Callable[[int, List[tf.Tensor]], None]
+
+
+@dataclasses.dataclass
+class ReplicaStep:
+    """One replica's results of a training step."""
+
+    rounds: RoundsResult
+    trunk_grads: List[tf.Tensor]
+    trunk_loss: Optional[tf.Tensor]  # the trunk's extra loss (regularization), if any
+
+
+def shard_index(plan: SchemePlan) -> int:
+    """Which FC shard this replica holds: its replica id (model parallel) or the one copy."""
+    return coll.replica_id() if plan.model_parallel else 0
+
+
+def replica_train_step(plan: SchemePlan, head: ShardedHead, trunk_forward: TrunkForward,
+                       trunk_variables: Sequence[tf.Variable], images: tf.Tensor,
+                       labels: tf.Tensor, seed: Optional[tf.Tensor], apply_trunk: ApplyTrunk,
+                       apply_fc: ApplyFc) -> ReplicaStep:
+    """One optimizer step of this replica (call inside strategy.run)."""
+    shard = shard_index(plan)
+    with tf.GradientTape() as trunk_tape:
+        activations, trunk_loss = trunk_forward(images)
+    rounds = run_fc_rounds(plan, head, activations, labels, shard, True, seed,
+                           lambda grads: apply_fc(shard, grads))
+    targets, output_grads = [activations], [rounds.activation_grad]
+    if trunk_loss is not None:
+        # Every replica adds its copy and the trunk optimizer sums the K gradients.
+        targets.append(trunk_loss / plan.num_replicas)
+        output_grads.append(tf.ones_like(trunk_loss))
+    grads = trunk_tape.gradient(targets, list(trunk_variables), output_gradients=output_grads)
+    grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trunk_variables)]
+    apply_trunk(grads)
+    return ReplicaStep(rounds, grads, trunk_loss)
+
+
+def replica_logits(model_parallel: bool, head: ShardedHead, trunk_forward: TrunkForward,
+                   images: tf.Tensor) -> tf.Tensor:
+    """Inference logits of the rows this replica reports: the whole global batch (model
+    parallel: every replica sees every row) or its own rows (data parallel)."""
+    shard = coll.replica_id() if model_parallel else 0
+    activations, _ = trunk_forward(images)
+    rows = coll.all_gather(activations, 0, coll.ACTIVATIONS) if model_parallel else activations
+    logits = head.forward(rows, shard, False, None)
+    if head.num_shards > 1:
+        logits = coll.all_gather(logits, 1, coll.LOGITS)
+    return logits[:, : head.spec.num_classes]
