@@ -14,6 +14,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "setup_devices": "owt_tf.devices",
     "HybridStrategy": "owt_tf.parallel.strategy",
+    "parallelize": "owt_tf.parallel.keras_model",
+    "ParallelModel": "owt_tf.parallel.keras_model",
+    "ParallelPlan": "owt_tf.parallel.plan",
     "Trainer": "owt_tf.training.loop",
     "RunConfig": "owt_tf.config",
 }
@@ -27,4 +30,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["setup_devices", "HybridStrategy", "models", "Trainer", "RunConfig", "__version__"]
+__all__ = ["setup_devices", "HybridStrategy", "parallelize", "ParallelModel", "ParallelPlan",
+           "models", "Trainer", "RunConfig", "__version__"]

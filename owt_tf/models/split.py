@@ -1,0 +1,186 @@
+"""Splits a user's Keras model into a convolutional trunk and a fully connected head.
+
+The split rule: the trunk is everything up to the tensor that feeds the first `Dense` of
+the model's final chain of `Dense` / `Dropout` / `Activation` / `ReLU` / `Softmax` layers
+(a rank-2 tensor: after `Flatten`, `GlobalAveragePooling2D`, ...). The head is that chain:
+each `Dense` with its activation (ReLU or linear; softmax or linear on the last) and the
+dropout rate after it. The trunk may be anything Keras builds; the head must be a plain
+chain, because owt_tf splits its layers over devices. Anything else is refused with one
+line naming the layer and the reason (`UnsupportedModel`).
+
+No parallelism here: this only reads the model. The weights are the user's, never redrawn.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import keras
+import numpy as np
+
+from owt_tf.models.spec import HeadSpec
+
+
+class UnsupportedModel(ValueError):
+    """A model (or one of its layers) that owt_tf cannot split; the message names it."""
+
+
+@dataclasses.dataclass
+class KerasSplit:
+    """A Keras model as trunk + head: the trunk shares the original's layers (clone it to
+    place it); `head_weights` are the Dense layers' (kernel, bias), whole."""
+
+    trunk: keras.Model
+    head: HeadSpec
+    head_weights: List[Tuple[np.ndarray, np.ndarray]]
+    dense_names: List[str]
+    input_shape: Tuple[int, ...]
+
+
+_HEAD_TYPES = (keras.layers.Dense, keras.layers.Dropout, keras.layers.Activation,
+               keras.layers.ReLU, keras.layers.Softmax)
+
+
+def _activation_name(layer) -> str:
+    """'relu', 'linear', 'softmax' or what else the layer applies (refused later)."""
+    if isinstance(layer, keras.layers.ReLU):
+        plain = (layer.max_value is None and not layer.negative_slope and not layer.threshold)
+        return "relu" if plain else f"ReLU(max_value={layer.max_value}, ...)"
+    if isinstance(layer, keras.layers.Softmax):
+        return "softmax" if tuple(np.atleast_1d(layer.axis)) in ((-1,), (1,)) else "softmax(axis)"
+    fn = layer.activation
+    return getattr(fn, "__name__", str(fn))
+
+
+def _producers(model: keras.Model) -> dict:
+    """id(output tensor) -> the model's layer that made it."""
+    found = {}
+    for layer in model.layers:
+        try:
+            found[id(layer.output)] = layer
+        except (AttributeError, ValueError):  # a layer used more than once: not in the head
+            continue
+    return found
+
+
+def _head_chain(model: keras.Model) -> Tuple[List, object]:
+    """The model's final chain of head-type layers (input side first) and the tensor that
+    feeds it."""
+    if len(model.outputs) != 1:
+        raise UnsupportedModel(f"model {model.name}: {len(model.outputs)} outputs; owt_tf "
+                               "needs one (the class scores)")
+    producers = _producers(model)
+    chain, tensor = [], model.outputs[0]
+    while id(tensor) in producers and isinstance(producers[id(tensor)], _HEAD_TYPES):
+        layer = producers[id(tensor)]
+        chain.insert(0, layer)
+        tensor = layer.input
+        if isinstance(tensor, (list, tuple)):
+            raise UnsupportedModel(f"layer {layer.name}: takes several inputs")
+    # Dropout / Activation before the first Dense belong to the trunk (they see the
+    # features, not an FC layer's output).
+    while chain and not isinstance(chain[0], keras.layers.Dense):
+        tensor = chain.pop(0).output
+    if not chain:
+        raise UnsupportedModel(f"model {model.name}: its output is not made by a Dense layer "
+                               "(owt_tf shards the Dense layers at the end of a model)")
+    return chain, tensor
+
+
+def _check_dense(layer, last: bool) -> None:
+    reasons = []
+    if not layer.use_bias:
+        reasons.append("use_bias=False is not supported")
+    for attr in ("kernel_regularizer", "bias_regularizer", "activity_regularizer",
+                 "kernel_constraint", "bias_constraint"):
+        if getattr(layer, attr, None) is not None:
+            reasons.append(f"{attr} is not honoured by the sharded head")
+    if getattr(layer, "lora_rank", None):
+        reasons.append("LoRA is not supported")
+    if layer.dtype_policy.name != "float32":
+        reasons.append(f"dtype policy {layer.dtype_policy.name} is not supported (float32 only)")
+    act = _activation_name(layer)
+    allowed = ("linear", "softmax") if last else ("relu", "linear")
+    if act not in allowed:
+        reasons.append(f"activation {act!r} is not supported here (one of {', '.join(allowed)})")
+    if reasons:
+        raise UnsupportedModel(f"layer {layer.name}: {reasons[0]}")
+
+
+def _head_spec(chain: List) -> Tuple[HeadSpec, List[str]]:
+    """Dense widths, each hidden layer's activation and dropout, and the output activation."""
+    dense: List = []
+    activations: List[str] = []
+    dropouts: List[float] = []
+    for layer in chain:
+        if isinstance(layer, keras.layers.Dense):
+            dense.append(layer)
+            activations.append(_activation_name(layer))
+            dropouts.append(0.0)
+        elif isinstance(layer, keras.layers.Dropout):
+            if layer is chain[-1] or dropouts[-1]:
+                raise UnsupportedModel(f"layer {layer.name}: dropout only between Dense layers, "
+                                       "one per layer")
+            if layer.noise_shape is not None:
+                raise UnsupportedModel(f"layer {layer.name}: noise_shape is not supported")
+            dropouts[-1] = float(layer.rate)
+        else:  # an activation layer: the Dense before it must be linear
+            if activations[-1] != "linear" or dropouts[-1]:
+                raise UnsupportedModel(f"layer {layer.name}: an activation after a non-linear "
+                                       "Dense or after dropout is not supported")
+            activations[-1] = _activation_name(layer)
+    for i, layer in enumerate(dense):
+        last = i == len(dense) - 1
+        _check_dense(layer, last)
+        act = activations[i]
+        allowed = ("linear", "softmax") if last else ("relu", "linear")
+        if act not in allowed:
+            raise UnsupportedModel(f"layer {layer.name}: activation {act!r} is not supported "
+                                   f"here (one of {', '.join(allowed)})")
+    spec = HeadSpec(hidden=tuple(int(d.units) for d in dense[:-1]),
+                    num_classes=int(dense[-1].units), dropout=0.0,
+                    activations=tuple(activations[:-1]), dropouts=tuple(dropouts[:-1]),
+                    output_activation=activations[-1])
+    return spec, [d.name for d in dense]
+
+
+def _check_chain_is_private(model: keras.Model, chain: List, features) -> None:
+    """No other layer may read a tensor inside the head (a skip connection into it)."""
+    inside = {id(layer.output) for layer in chain[:-1]}
+    for layer in model.layers:
+        if any(layer is c for c in chain):
+            continue
+        try:
+            inputs = keras.tree.flatten(layer.input)
+        except (AttributeError, ValueError):
+            continue
+        if any(id(t) in inside for t in inputs):
+            raise UnsupportedModel(f"layer {layer.name}: reads an output inside the FC head "
+                                   "(a skip connection into the head is not supported)")
+
+
+def split_keras_model(model: keras.Model) -> KerasSplit:
+    """The trunk (a functional model over the original layers) and the head of `model`."""
+    if not isinstance(model, keras.Model):
+        raise UnsupportedModel(f"expected a keras.Model, got {type(model).__name__}")
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        inputs = None
+    if not inputs:
+        raise UnsupportedModel(f"model {model.name}: not built on a keras.Input (a subclassed "
+                               "model, or a Sequential without an input shape); build it with "
+                               "keras.Input first")
+    if len(inputs) != 1:
+        raise UnsupportedModel(f"model {model.name}: {len(inputs)} inputs; owt_tf needs one")
+    chain, features = _head_chain(model)
+    if len(features.shape) != 2:
+        raise UnsupportedModel(f"layer {chain[0].name}: its input has shape {tuple(features.shape)}; "
+                               "the first Dense of the head needs a rank-2 input (put Flatten "
+                               "or GlobalAveragePooling2D before it)")
+    _check_chain_is_private(model, chain, features)
+    spec, names = _head_spec(chain)
+    dense = [layer for layer in chain if isinstance(layer, keras.layers.Dense)]
+    weights = [(np.asarray(d.kernel.numpy()), np.asarray(d.bias.numpy())) for d in dense]
+    trunk = keras.Model(inputs[0], features, name=f"{model.name}_trunk")
+    return KerasSplit(trunk, spec, weights, names, tuple(inputs[0].shape[1:]))

@@ -1,0 +1,119 @@
+"""The data a ParallelModel's fit / evaluate / predict hand to Keras: global batches of a
+static size, so that every replica's rows have one static shape (the FC exchange and the
+scheme's rounds are planned for it).
+
+- training: whole global batches only (a last partial batch is dropped, as
+  `drop_remainder=True` would; a hybrid step needs the same rows on every replica);
+- evaluation and prediction: every row counts, so the last batch is padded to the global
+  batch with rows of weight 0 (evaluation) or masked out of the result (prediction).
+
+Arrays (numpy or tensors) become `tf.data` datasets here; a dataset keeps its elements and
+order, re-batched to its own batch size.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+DEFAULT_BATCH_SIZE = 32  # Keras' own default for arrays
+
+
+class DataError(ValueError):
+    """Data a ParallelModel cannot take (the message says why)."""
+
+
+def _first_dim(dataset: tf.data.Dataset) -> int:
+    """The batch size of a batched dataset: static, else read off its first element."""
+    first = tf.nest.flatten(dataset.element_spec)[0]
+    if first.shape.rank is None or first.shape.rank == 0:
+        raise DataError("expected a batched dataset (elements of shape [batch, ...])")
+    if first.shape[0] is not None:
+        return int(first.shape[0])
+    for element in dataset.take(1):
+        return int(tf.nest.flatten(element)[0].shape[0])
+    raise DataError("the dataset is empty")
+
+
+def _as_dataset(x, y, batch_size: Optional[int]) -> Tuple[tf.data.Dataset, int]:
+    """A dataset of (x, y) / (x,) rows, unbatched, and the global batch size to use."""
+    if isinstance(x, tf.data.Dataset):
+        if y is not None:
+            raise DataError("y must not be given with a tf.data.Dataset (it yields (x, y))")
+        size = _first_dim(x)
+        if batch_size is not None and batch_size != size:
+            raise DataError(f"batch_size={batch_size} given for a dataset batched by {size}")
+        return x.unbatch(), size
+    if x is None:
+        raise DataError("no input data")
+    rows = (x,) if y is None else (x, y)
+    for t in rows:
+        if not hasattr(t, "shape"):
+            raise DataError(f"expected numpy arrays, tensors or a tf.data.Dataset; got "
+                            f"{type(t).__name__} (generators and PyDatasets are not supported)")
+    if y is not None and len(x) != len(y):
+        raise DataError(f"x has {len(x)} rows, y has {len(y)}")
+    return tf.data.Dataset.from_tensor_slices(rows), batch_size or DEFAULT_BATCH_SIZE
+
+
+def _elements(dataset: tf.data.Dataset, with_labels: bool) -> tf.data.Dataset:
+    """(x, y) or (x,) of each row; a sample weight in the data is refused."""
+    spec = dataset.element_spec
+    if not isinstance(spec, tuple):
+        if with_labels:
+            raise DataError("the data has no labels (expected (x, y) elements)")
+        return dataset.map(lambda x: (x,))
+    if len(spec) == 3:
+        raise DataError("sample weights are not supported by a parallelized model")
+    if with_labels and len(spec) < 2:
+        raise DataError("the data has no labels (expected (x, y) elements)")
+    if with_labels:
+        return dataset.map(lambda *t: (t[0], t[1]))
+    return dataset.map(lambda *t: (t[0],))
+
+
+def check_global_batch(size: int, num_replicas: int) -> int:
+    if size % num_replicas:
+        raise DataError(f"the global batch ({size}) is not divisible by the {num_replicas} "
+                        "devices: every device takes an equal share")
+    return size // num_replicas
+
+
+def training_batches(x, y, batch_size: Optional[int], shuffle: bool,
+                     num_replicas: int) -> Tuple[tf.data.Dataset, int]:
+    """Whole global batches of (x, y), and the per-replica batch size."""
+    rows, size = _as_dataset(x, y, batch_size)
+    per_replica = check_global_batch(size, num_replicas)
+    rows = _elements(rows, with_labels=True)
+    if shuffle and not isinstance(x, tf.data.Dataset):
+        rows = rows.shuffle(min(len(x), 100_000), reshuffle_each_iteration=True)
+    return rows.batch(size, drop_remainder=True).prefetch(tf.data.AUTOTUNE), per_replica
+
+
+def _pad_rows(t: tf.Tensor, pad: tf.Tensor, size: int) -> tf.Tensor:
+    paddings = [[0, pad]] + [[0, 0]] * (t.shape.rank - 1)
+    padded = tf.pad(t, paddings)
+    return tf.ensure_shape(padded, [size] + t.shape.as_list()[1:])
+
+
+def padded_batches(x, y, batch_size: Optional[int], num_replicas: int,
+                   with_labels: bool) -> tf.data.Dataset:
+    """Global batches padded to a static size: (x, y, weight) for evaluation (weight 0 on
+    padding), (x, valid) for prediction (valid 0 on padding)."""
+    rows, size = _as_dataset(x, y, batch_size)
+    size = -(-size // num_replicas) * num_replicas  # evaluation pads up to a multiple of K
+    rows = _elements(rows, with_labels)
+
+    def pad(*batch):
+        n = tf.shape(batch[0])[0]
+        extra = size - n
+        weight = _pad_rows(tf.ones([n], tf.float32), extra, size)
+        return tuple(_pad_rows(t, extra, size) for t in batch) + (weight,)
+
+    return rows.batch(size).map(pad).prefetch(tf.data.AUTOTUNE)
+
+
+def num_rows(x) -> Optional[int]:
+    """Rows of array data (None for a dataset)."""
+    return None if isinstance(x, tf.data.Dataset) else int(np.shape(x)[0])

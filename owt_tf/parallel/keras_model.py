@@ -1,0 +1,447 @@
+"""`owt_tf.parallelize(model)`: a user's Keras model, trained the Keras way on the hybrid.
+
+    strategy = owt_tf.HybridStrategy(devices=4, scheme="owt-b", fc_batch="worker")
+    with strategy.scope():
+        model = owt_tf.parallelize(my_keras_model())
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(train_ds, epochs=3, validation_data=val_ds, callbacks=[...])
+
+The model is split (owt_tf.models.split) into its trunk, cloned inside the strategy's scope
+(mirrored: data parallel), and its Dense head, placed as FC shards by the strategy. The
+result is a `keras.Model` whose `train_step` runs the same replica step as the CLI
+(owt_tf.parallel.step) and whose `fit` / `evaluate` / `predict` are Keras' own, fed with
+static global batches (owt_tf.parallel.keras_data).
+
+Optimizers: the compiled optimizer updates the trunk (Keras all-reduces its gradients);
+the FC shards get one clone of it (or of `fc_optimizer`) per shard, on the shard's device,
+driven with `update_step`. Shard gradients must never pass through Keras' all-reduce: it
+raises no error and gives wrong weights.
+
+Saving: `save_own_variables` writes each FC layer and its optimizer slots as whole tensors,
+so Keras' weight files (`save_weights`, `ModelCheckpoint`, `BackupAndRestore`) restore at
+any device count; `save` / `export` write the user's own architecture as a plain
+one-device model with the trained weights.
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from owt_tf.devices import outside_strategy_scope
+from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
+from owt_tf.parallel import collectives as coll
+from owt_tf.parallel import keras_data
+from owt_tf.parallel.plan import PlanError
+from owt_tf.parallel.shards import ShardedHead, assemble
+from owt_tf.parallel.step import replica_logits, replica_train_step
+from owt_tf.parallel.strategy import HybridStrategy, current_strategy
+
+# Optimizers whose update of each weight depends only on that weight's own gradient and
+# state, so that updating a shard equals updating its part of the whole layer.
+ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
+                          "Adamax", "Nadam", "Lion", "Ftrl")
+
+
+class CompileError(ValueError):
+    """A compile setting a parallelized model cannot honour (the message says why)."""
+
+
+def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
+                seed: Optional[int] = None) -> "ParallelModel":
+    """`model` split at its FC stack: trunk mirrored over the strategy's devices, Dense layers
+    sharded. The user's weights are kept. `strategy`: default, the HybridStrategy whose
+    `scope()` is open. `seed` seeds the head's dropout (default: drawn at random)."""
+    hybrid = strategy or current_strategy()
+    if hybrid is None:
+        raise ValueError("owt_tf.parallelize needs a HybridStrategy: call it inside "
+                         "`with strategy.scope():` or pass strategy=")
+    if not hybrid.model_parallel:
+        raise UnsupportedModel("scheme 'data' shards nothing: train the model with "
+                               "tf.distribute.MirroredStrategy and plain Keras instead")
+    split = split_keras_model(model)
+    try:
+        hybrid.parallel_plan.check_widths(split.head.hidden, hybrid.num_replicas,
+                                          split.dense_names[:-1])
+    except PlanError as err:
+        raise UnsupportedModel(str(err).split(": ", 1)[1]) from None
+    source = keras.saving.serialize_keras_object(model)
+    if seed is None:
+        seed = int(np.random.default_rng().integers(2**31 - 1))
+    with hybrid.scope():
+        return ParallelModel(hybrid, split, source, seed)
+
+
+class _ShardOptimizers:
+    """One clone of a Keras optimizer per local FC shard, built on that shard's variables on
+    its device, outside the strategy's scope. A plain object, so that Keras' saver does not
+    walk the clones (their number depends on K); the model saves their slots whole."""
+
+    def __init__(self, template: keras.optimizers.Optimizer, head: ShardedHead,
+                 devices: List[str], trunk_optimizer, lr_ratio: float):
+        name = type(template).__name__
+        if name not in ELEMENTWISE_OPTIMIZERS:
+            raise CompileError(f"optimizer {name}: its update is not element-wise, so a shard's "
+                               f"update would differ from the whole layer's (supported: "
+                               f"{', '.join(ELEMENTWISE_OPTIMIZERS)})")
+        config = template.get_config()
+        self.head = head
+        self.trunk_optimizer = trunk_optimizer
+        self.lr_ratio = lr_ratio
+        self.clipvalue = template.clipvalue
+        self.weight_decay = template.weight_decay
+
+        def build():
+            clones = {}
+            for k in head.local_shards:
+                with tf.device(devices[k]):
+                    clone = type(template).from_config(config)
+                    clone.build(head.shard_variables(k))
+                clones[k] = clone
+            return clones
+
+        self.clones: Dict[int, keras.optimizers.Optimizer] = outside_strategy_scope(build)
+        self.num_slots = self._check_slots()
+
+    def _state(self, k: int) -> List:
+        """The clone's per-variable state, slot by slot (iteration and rate left out)."""
+        return [v for v in self.clones[k].variables if v.name not in ("iteration", "learning_rate")]
+
+    def _check_slots(self) -> int:
+        k = self.head.local_shards[0]
+        variables, state = self.head.shard_variables(k), self._state(k)
+        n = len(variables)
+        if len(state) % n or any(tuple(s.shape) != tuple(variables[i % n].shape)
+                                 for i, s in enumerate(state)):
+            raise CompileError(f"optimizer {type(self.clones[k]).__name__}: its state is not one "
+                               "tensor per weight, so it cannot be split with the weights")
+        return len(state) // n
+
+    def slots(self, k: int) -> List[List]:
+        """[slot s][variable i] of shard k, variables in head.shard_variables order."""
+        state, n = self._state(k), len(self.head.shard_variables(k))
+        return [[v.value if hasattr(v, "value") else v for v in state[s * n:(s + 1) * n]]
+                for s in range(self.num_slots)]
+
+    def learning_rate(self) -> tf.Tensor:
+        """The trunk optimizer's current rate (its schedule, LearningRateScheduler) times the
+        ratio set at compile."""
+        return tf.cast(self.trunk_optimizer.learning_rate, tf.float32) * self.lr_ratio
+
+    def apply(self, shard: int, grads: List[tf.Tensor]) -> None:
+        """Keras' own update on this shard: clip by value, decoupled weight decay, step."""
+        clone = self.clones[shard]
+        lr = self.learning_rate()
+        for g, v in zip(grads, self.head.shard_variables(shard)):
+            if self.clipvalue is not None:
+                g = tf.clip_by_value(g, -self.clipvalue, self.clipvalue)
+            if self.weight_decay:
+                v.assign_sub(v * tf.cast(self.weight_decay * lr, v.dtype))
+            clone.update_step(g, v, lr)
+        clone.iterations.assign_add(1)
+
+
+def _initial_rate(optimizer: keras.optimizers.Optimizer) -> float:
+    lr = optimizer.get_config()["learning_rate"]
+    if isinstance(lr, dict):  # a serialized schedule: its rate at step 0
+        lr = keras.optimizers.schedules.deserialize(lr)(0)
+    return float(lr)
+
+
+def _per_example_loss(loss):
+    """(labels, outputs) -> per-example values of the compiled loss."""
+    fn = keras.losses.get(loss)
+    if fn is None:
+        raise CompileError("loss is required")
+    if isinstance(fn, keras.losses.Loss):
+        return fn.call
+    return fn
+
+
+class ParallelModel(keras.Model):
+    """A Keras model whose trunk is data parallel and whose Dense head is sharded (see the
+    module docstring). Build it with `owt_tf.parallelize`."""
+
+    def __init__(self, hybrid: HybridStrategy, split: KerasSplit, source: dict, seed: int):
+        super().__init__(name=f"{split.trunk.name.removesuffix('_trunk')}_parallel")
+        self._hybrid = hybrid
+        self._source_json = json.dumps(source)
+        self._dense_names = list(split.dense_names)
+        self._seed = int(seed)
+        trunk = keras.models.clone_model(split.trunk)  # in the scope: mirrored variables
+        trunk.set_weights(split.trunk.get_weights())
+        self.trunk = trunk
+        self.head = hybrid.place_head(split.head, split.head_weights)
+        self._fc_optimizer: Optional[_ShardOptimizers] = None
+        self._pending_fc_slots: Optional[Dict[str, np.ndarray]] = None
+        self.built = True
+
+    @property
+    def hybrid(self) -> HybridStrategy:
+        return self._hybrid
+
+    # -- compile ----------------------------------------------------------------------
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, *, fc_optimizer=None,
+                steps_per_execution=1, run_eagerly=False, jit_compile="auto", **kwargs):
+        """Keras' compile, plus `fc_optimizer`: the FC shards' optimizer (default: a copy of
+        `optimizer`). Its learning rate relative to `optimizer`'s is kept through schedules
+        and LearningRateScheduler: the paper's recipe is `optimizer=SGD(lr * K)`,
+        `fc_optimizer=SGD(lr)` with fc_batch='worker'."""
+        self._refuse_settings(steps_per_execution, run_eagerly, jit_compile, loss, kwargs)
+        optimizer = keras.optimizers.get(optimizer)
+        fc_template = keras.optimizers.get(fc_optimizer) if fc_optimizer is not None else optimizer
+        for opt in (optimizer, fc_template):
+            self._refuse_optimizer(opt)
+        # Built inside the scope, whatever the user did: an optimizer made outside it breaks
+        # fit once it has slots ("Mixing different tf.distribute.Strategy objects").
+        with self._hybrid.scope():
+            trunk_optimizer = type(optimizer).from_config(optimizer.get_config())
+        super().compile(optimizer=trunk_optimizer, loss=loss, metrics=metrics,
+                        steps_per_execution=1, run_eagerly=False, jit_compile=False, **kwargs)
+        self.head.per_example_loss = _per_example_loss(loss)
+        self._fc_optimizer = _ShardOptimizers(
+            fc_template, self.head, self._hybrid.devices, trunk_optimizer,
+            _initial_rate(fc_template) / max(_initial_rate(optimizer), 1e-30))
+        if self._pending_fc_slots is not None:
+            self._restore_fc_slots(self._pending_fc_slots)
+            self._pending_fc_slots = None
+
+    def _refuse_settings(self, steps_per_execution, run_eagerly, jit_compile, loss, kwargs):
+        if steps_per_execution != 1:
+            raise CompileError("steps_per_execution > 1 is not supported: Keras fails with it "
+                               "under MirroredStrategy (keras-team/keras#19246)")
+        if run_eagerly:
+            raise CompileError("run_eagerly=True is not supported: the forward gather and the "
+                               "backward all-to-all of different replicas deadlock when run op "
+                               "by op")
+        if jit_compile is True:
+            raise CompileError("jit_compile=True on the whole step is not supported: XLA cannot "
+                               "hold variables of several devices in one cluster; use "
+                               "HybridStrategy(jit=True), which compiles each trunk")
+        if isinstance(loss, (dict, list, tuple)) or kwargs.get("loss_weights"):
+            raise CompileError("one loss for one output only (the model has one output)")
+        if self._hybrid.loss == "sharded":
+            raise CompileError("HybridStrategy(loss='sharded') computes its own cross-entropy; "
+                               "use loss='gathered' with a compiled loss")
+
+    @staticmethod
+    def _refuse_optimizer(opt):
+        if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+            raise CompileError("LossScaleOptimizer is not supported (float32 only)")
+        for attr, why in (("clipnorm", "a norm over a whole FC layer spans its shards"),
+                          ("global_clipnorm", "a norm over all weights spans the shards"),
+                          ("use_ema", "EMA weights are not kept for shards"),
+                          ("gradient_accumulation_steps", "accumulation is not supported")):
+            if getattr(opt, attr, None):
+                raise CompileError(f"optimizer {attr}: not supported ({why})")
+        if opt.built:
+            raise CompileError("pass an optimizer that has not been used yet (it is rebuilt "
+                               "inside the strategy's scope)")
+
+    # -- steps (traced by Keras inside strategy.run) --------------------------------------
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if sample_weight is not None:
+            raise keras_data.DataError("sample weights are not supported by a parallelized model")
+        plan = self._hybrid.scheme_plan(self._static_rows(x))
+        trunk_vars = self.trunk.trainable_variables
+        step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64),
+                                      tf.cast(self.optimizer.iterations, tf.int64)]), tf.int32)
+
+        def apply_trunk(grads):
+            k = coll.num_replicas()
+            coll.record(coll.CONV_GRAD, "all_reduce",
+                        sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
+            self.optimizer.apply_gradients(zip(grads, trunk_vars))
+
+        step = replica_train_step(plan, self.head, self._hybrid.trunk_forward(self.trunk, True),
+                                  trunk_vars, x, y, step_seed, apply_trunk,
+                                  self._fc_optimizer.apply)
+        rounds = step.rounds
+        loss = rounds.loss_sum / rounds.count
+        if step.trunk_loss is not None:
+            loss += step.trunk_loss
+        self._loss_metric().update_state(loss, sample_weight=rounds.count)
+        return self.compute_metrics(x, tf.concat(rounds.labels, 0), tf.concat(rounds.outputs, 0))
+
+    def test_step(self, data):
+        x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
+        logits = replica_logits(True, self.head, self._hybrid.trunk_forward(self.trunk, False), x)
+        labels = coll.gather_labels(y)
+        weight = tf.ones([tf.shape(logits)[0]]) if weight is None else coll.gather_labels(weight)
+        outputs = self.head.outputs(logits)
+        per_example = tf.cast(self.head.per_example_loss(labels, outputs), tf.float32)
+        count = tf.reduce_sum(weight)
+        loss = tf.reduce_sum(per_example * weight) / tf.maximum(count, 1.0)
+        if self.trunk.losses:
+            loss += tf.add_n(self.trunk.losses)
+        self._loss_metric().update_state(loss, sample_weight=count)
+        # Keras' `metrics` ignore sample weights (only `weighted_metrics` use them): drop the
+        # padding rows instead.
+        real = weight > 0
+        return self.compute_metrics(x, tf.boolean_mask(labels, real),
+                                    tf.boolean_mask(outputs, real))
+
+    def predict_step(self, data):
+        x, valid = (data[0], data[1]) if isinstance(data, (tuple, list)) and len(data) > 1 else (
+            data[0] if isinstance(data, (tuple, list)) else data, None)
+        logits = replica_logits(True, self.head, self._hybrid.trunk_forward(self.trunk, False), x)
+        rows = self._static_rows(x)
+        k = coll.replica_id()
+        outputs = self.head.outputs(logits[k * rows:(k + 1) * rows])
+        return outputs if valid is None else tf.boolean_mask(outputs, valid > 0)
+
+    def call(self, inputs, training=False):
+        """One-device forward pass (every shard joined): Keras' symbolic build and direct
+        calls. fit / evaluate / predict run the distributed steps above instead."""
+        features = self.trunk(inputs, training=False)
+        return self.head.outputs(self.head.forward_assembled(features))
+
+    def _loss_metric(self):
+        return next(m for m in self.metrics if m.name == "loss")
+
+    @staticmethod
+    def _static_rows(x) -> int:
+        rows = x.shape[0]
+        if rows is None:
+            raise keras_data.DataError("a replica's batch has no static size; feed "
+                                       "fit/evaluate/predict through the model itself")
+        return int(rows)
+
+    # -- Keras' loops, with static global batches ------------------------------------------
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, *, validation_data=None,
+            validation_split=0.0, shuffle=True, class_weight=None, sample_weight=None,
+            validation_batch_size=None, **kwargs):
+        """Keras' fit. Arrays or a tf.data.Dataset of (x, y); a last partial global batch is
+        dropped (every replica needs the same number of rows)."""
+        if validation_split:
+            raise keras_data.DataError("validation_split is not supported: pass validation_data")
+        if class_weight is not None or sample_weight is not None:
+            raise keras_data.DataError("class and sample weights are not supported by a "
+                                       "parallelized model")
+        train, per_replica = keras_data.training_batches(x, y, batch_size, shuffle,
+                                                         self._hybrid.num_replicas)
+        self._hybrid.scheme_plan(per_replica)  # refuses a batch the scheme cannot split
+        if validation_data is not None:
+            validation_data = self._evaluation_data(validation_data, validation_batch_size)
+        return super().fit(train, epochs=epochs, validation_data=validation_data,
+                           shuffle=False, **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
+        """Keras' evaluate over every row (the last batch padded with rows of weight 0)."""
+        if kwargs.get("sample_weight") is not None:
+            raise keras_data.DataError("sample weights are not supported by a parallelized model")
+        kwargs.pop("sample_weight", None)
+        if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: already padded
+            return super().evaluate(x, y, **kwargs)
+        data = keras_data.padded_batches(x, y, batch_size, self._hybrid.num_replicas, True)
+        return super().evaluate(data, **kwargs)
+
+    def predict(self, x, batch_size=None, **kwargs):
+        """Keras' predict; every row, in order (the last batch padded, the padding dropped)."""
+        data = keras_data.padded_batches(x, None, batch_size, self._hybrid.num_replicas, False)
+        return super().predict(data, **kwargs)
+
+    def _evaluation_data(self, data, batch_size):
+        if isinstance(data, tf.data.Dataset):
+            return keras_data.padded_batches(data, None, batch_size, self._hybrid.num_replicas,
+                                             True)
+        if isinstance(data, (tuple, list)) and len(data) == 2:
+            return keras_data.padded_batches(data[0], data[1], batch_size,
+                                             self._hybrid.num_replicas, True)
+        raise keras_data.DataError("validation_data must be (x, y) or a tf.data.Dataset")
+
+    # -- weights, saving, export -------------------------------------------------------------
+    def fc_weights(self) -> List:
+        """Every Dense layer of the head whole: [(kernel, bias), ...] as numpy arrays."""
+        return self.head.full_weights(self._hybrid.read_shards)
+
+    def to_keras_model(self) -> keras.Model:
+        """The user's architecture as a plain one-device Keras model with these weights."""
+        source = json.loads(self._source_json)
+        plain = outside_strategy_scope(lambda: keras.saving.deserialize_keras_object(source))
+        for layer in self.trunk.layers:
+            if layer.weights:
+                plain.get_layer(layer.name).set_weights(layer.get_weights())
+        for name, (kernel, bias) in zip(self._dense_names, self.fc_weights()):
+            plain.get_layer(name).set_weights([kernel, bias])
+        return plain
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """The model as a plain one-device Keras model (`.keras`): it loads without owt_tf.
+        Optimizer state is not in it; resume training from save_weights / BackupAndRestore."""
+        return self.to_keras_model().save(filepath, overwrite=overwrite, **kwargs)
+
+    def export(self, filepath, format="tf_saved_model", **kwargs):
+        """The plain one-device model exported by Keras (a SavedModel by default)."""
+        return self.to_keras_model().export(filepath, format=format, **kwargs)
+
+    def save_own_variables(self, store):
+        """Each FC layer, and its optimizer slots, as whole tensors: the same file at any K."""
+        super().save_own_variables(store)
+        for name, value in self._head_state().items():
+            store[name] = value
+
+    def load_own_variables(self, store):
+        super_keys = [k for k in store.keys() if not k.startswith("fc")]
+        if super_keys:
+            super().load_own_variables({k: store[k] for k in super_keys})
+        state = {k: np.asarray(store[k]) for k in store.keys() if k.startswith("fc")}
+        self._restore_head(state)
+
+    def _head_state(self) -> Dict[str, np.ndarray]:
+        head = self.head
+        state = {}
+        for i, (kernel, bias) in enumerate(self.fc_weights()):
+            state[f"fc{i}_kernel"], state[f"fc{i}_bias"] = kernel, bias
+        if self._fc_optimizer is not None:
+            opt = self._fc_optimizer
+            per_shard = self._hybrid.read_shards(
+                {k: [v for slot in opt.slots(k) for v in slot] for k in head.local_shards})
+            n = 2 * len(head.layers)
+            for s in range(opt.num_slots):
+                for i, layer in enumerate(head.layers):
+                    kernel, bias = assemble(layer, [v[s * n + 2 * i] for v in per_shard],
+                                            [v[s * n + 2 * i + 1] for v in per_shard])
+                    state[f"fc{i}_kernel_slot{s}"], state[f"fc{i}_bias_slot{s}"] = kernel, bias
+            first = opt.clones[head.local_shards[0]]
+            state["fc_iterations"] = np.asarray(first.iterations.numpy())
+        return state
+
+    def _restore_head(self, state: Dict[str, np.ndarray]) -> None:
+        head = self.head
+        for i, layer in enumerate(head.layers):
+            kernel, bias = state[f"fc{i}_kernel"], state[f"fc{i}_bias"]
+            if kernel.shape != (layer.in_dim, layer.out_dim):
+                raise ValueError(f"{self._dense_names[i]}: saved as {kernel.shape}, this model "
+                                 f"has {(layer.in_dim, layer.out_dim)}")
+            kernels, biases = layer.split_full(kernel, bias)
+            for k in head.local_shards:
+                layer.kernels[k].assign(kernels[k])
+                layer.biases[k].assign(biases[k])
+        slots = {k: v for k, v in state.items() if "_slot" in k or k == "fc_iterations"}
+        if not slots:
+            return
+        if self._fc_optimizer is None:  # loaded before compile: applied by compile
+            self._pending_fc_slots = slots
+        else:
+            self._restore_fc_slots(slots)
+
+    def _restore_fc_slots(self, state: Dict[str, np.ndarray]) -> None:
+        head, opt = self.head, self._fc_optimizer
+        for s in range(opt.num_slots):
+            for i, layer in enumerate(head.layers):
+                if f"fc{i}_kernel_slot{s}" not in state:
+                    return  # saved with another optimizer: keep fresh slots, as Keras does
+                kernels, biases = layer.split_full(state[f"fc{i}_kernel_slot{s}"],
+                                                   state[f"fc{i}_bias_slot{s}"])
+                for k in head.local_shards:
+                    slot = opt.slots(k)[s]
+                    slot[2 * i].assign(kernels[k])
+                    slot[2 * i + 1].assign(biases[k])
+        for clone in opt.clones.values():
+            clone.iterations.assign(int(state.get("fc_iterations", 0)))
