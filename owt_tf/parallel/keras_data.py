@@ -111,7 +111,11 @@ def padded_batches(x, y, batch_size: Optional[int], num_replicas: int,
         weight = _pad_rows(tf.ones([n], tf.float32), extra, size)
         return tuple(_pad_rows(t, extra, size) for t in batch) + (weight,)
 
-    return rows.batch(size).map(pad).prefetch(tf.data.AUTOTUNE)
+    # Re-batched with drop_remainder (every batch is whole now): tf.distribute splits a
+    # dataset by its last batch op, and one without drop_remainder gives replicas batches of
+    # unknown size.
+    padded = rows.batch(size).map(pad).unbatch().batch(size, drop_remainder=True)
+    return padded.prefetch(tf.data.AUTOTUNE)
 
 
 def num_rows(x) -> Optional[int]:

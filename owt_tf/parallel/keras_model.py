@@ -108,14 +108,16 @@ class _ShardOptimizers:
         self.num_slots = self._check_slots()
 
     def _state(self, k: int) -> List:
-        """The clone's per-variable state, slot by slot (iteration and rate left out)."""
+        """The clone's per-variable state (iteration and rate left out), variable by variable:
+        Keras builds each variable's slots together ([m0, v0, m1, v1, ...] for Adam)."""
         return [v for v in self.clones[k].variables if v.name not in ("iteration", "learning_rate")]
 
     def _check_slots(self) -> int:
         k = self.head.local_shards[0]
         variables, state = self.head.shard_variables(k), self._state(k)
         n = len(variables)
-        if len(state) % n or any(tuple(s.shape) != tuple(variables[i % n].shape)
+        per_variable = len(state) // n
+        if len(state) % n or any(tuple(s.shape) != tuple(variables[i // per_variable].shape)
                                  for i, s in enumerate(state)):
             raise CompileError(f"optimizer {type(self.clones[k]).__name__}: its state is not one "
                                "tensor per weight, so it cannot be split with the weights")
@@ -124,8 +126,8 @@ class _ShardOptimizers:
     def slots(self, k: int) -> List[List]:
         """[slot s][variable i] of shard k, variables in head.shard_variables order."""
         state, n = self._state(k), len(self.head.shard_variables(k))
-        return [[v.value if hasattr(v, "value") else v for v in state[s * n:(s + 1) * n]]
-                for s in range(self.num_slots)]
+        state = [v.value if hasattr(v, "value") else v for v in state]
+        return [[state[i * self.num_slots + s] for i in range(n)] for s in range(self.num_slots)]
 
     def learning_rate(self) -> tf.Tensor:
         """The trunk optimizer's current rate (its schedule, LearningRateScheduler) times the
@@ -142,7 +144,8 @@ class _ShardOptimizers:
             if self.weight_decay:
                 v.assign_sub(v * tf.cast(self.weight_decay * lr, v.dtype))
             clone.update_step(g, v, lr)
-        clone.iterations.assign_add(1)
+        with tf.control_dependencies(grads):  # see ParallelModel._after_data
+            clone.iterations.assign_add(1)
 
 
 def _initial_rate(optimizer: keras.optimizers.Optimizer) -> float:
@@ -265,8 +268,10 @@ class ParallelModel(keras.Model):
         loss = rounds.loss_sum / rounds.count
         if step.trunk_loss is not None:
             loss += step.trunk_loss
-        self._loss_metric().update_state(loss, sample_weight=rounds.count)
-        return self.compute_metrics(x, tf.concat(rounds.labels, 0), tf.concat(rounds.outputs, 0))
+        with self._after_data(loss):
+            self._loss_metric().update_state(loss, sample_weight=rounds.count)
+            return self.compute_metrics(x, tf.concat(rounds.labels, 0),
+                                        tf.concat(rounds.outputs, 0))
 
     def test_step(self, data):
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -279,12 +284,13 @@ class ParallelModel(keras.Model):
         loss = tf.reduce_sum(per_example * weight) / tf.maximum(count, 1.0)
         if self.trunk.losses:
             loss += tf.add_n(self.trunk.losses)
-        self._loss_metric().update_state(loss, sample_weight=count)
         # Keras' `metrics` ignore sample weights (only `weighted_metrics` use them): drop the
         # padding rows instead.
         real = weight > 0
-        return self.compute_metrics(x, tf.boolean_mask(labels, real),
-                                    tf.boolean_mask(outputs, real))
+        with self._after_data(loss):
+            self._loss_metric().update_state(loss, sample_weight=count)
+            return self.compute_metrics(x, tf.boolean_mask(labels, real),
+                                        tf.boolean_mask(outputs, real))
 
     def predict_step(self, data):
         x, valid = (data[0], data[1]) if isinstance(data, (tuple, list)) and len(data) > 1 else (
@@ -300,6 +306,14 @@ class ParallelModel(keras.Model):
         calls. fit / evaluate / predict run the distributed steps above instead."""
         features = self.trunk(inputs, training=False)
         return self.head.outputs(self.head.forward_assembled(features))
+
+    @staticmethod
+    def _after_data(value):
+        """Orders the metric updates after `value`, which depends on the batch. Static batch
+        shapes make the counts constants, and Keras' last call of an epoch over a dataset of
+        unknown length fails in `get_next` while such updates, waiting on nothing, still run:
+        every metric then counted one batch too many."""
+        return tf.control_dependencies([value])
 
     def _loss_metric(self):
         return next(m for m in self.metrics if m.name == "loss")
@@ -326,8 +340,10 @@ class ParallelModel(keras.Model):
         train, per_replica = keras_data.training_batches(x, y, batch_size, shuffle,
                                                          self._hybrid.num_replicas)
         self._hybrid.scheme_plan(per_replica)  # refuses a batch the scheme cannot split
+        self._fresh_function("train_function", train)
         if validation_data is not None:
             validation_data = self._evaluation_data(validation_data, validation_batch_size)
+            self._fresh_function("test_function", validation_data)
         return super().fit(train, epochs=epochs, validation_data=validation_data,
                            shuffle=False, **kwargs)
 
@@ -339,12 +355,24 @@ class ParallelModel(keras.Model):
         if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: already padded
             return super().evaluate(x, y, **kwargs)
         data = keras_data.padded_batches(x, y, batch_size, self._hybrid.num_replicas, True)
+        self._fresh_function("test_function", data)
         return super().evaluate(data, **kwargs)
 
     def predict(self, x, batch_size=None, **kwargs):
         """Keras' predict; every row, in order (the last batch padded, the padding dropped)."""
         data = keras_data.padded_batches(x, None, batch_size, self._hybrid.num_replicas, False)
+        self._fresh_function("predict_function", data)
         return super().predict(data, **kwargs)
+
+    def _fresh_function(self, name: str, data: tf.data.Dataset) -> None:
+        """Drops Keras' compiled step when the batch size changed. Keras traces with
+        reduce_retracing, so a second size would get a step with unknown batch dimension,
+        and the hybrid step is planned for static per-replica shapes."""
+        rows = tf.nest.flatten(data.element_spec)[0].shape[0]
+        seen = self.__dict__.setdefault("_traced_rows", {})
+        if seen.get(name) != rows:
+            setattr(self, name, None)
+            seen[name] = rows
 
     def _evaluation_data(self, data, batch_size):
         if isinstance(data, tf.data.Dataset):

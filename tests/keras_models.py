@@ -1,0 +1,88 @@
+"""Small user-style Keras models and data for the Keras-path tests (built on one device)."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def alexnet_like(seed: int = 1, softmax: bool = True, input_shape=(16, 16, 3)) -> keras.Model:
+    """An AlexNet-shaped Sequential: convs, flatten, two ReLU Dense layers, class layer."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input(input_shape),
+        keras.layers.Conv2D(8, 3, activation="relu", name="conv1"),
+        keras.layers.MaxPooling2D(name="pool1"),
+        keras.layers.Conv2D(8, 3, activation="relu", name="conv2"),
+        keras.layers.Flatten(name="flatten"),
+        keras.layers.Dense(32, activation="relu", name="fc1"),
+        keras.layers.Dense(16, activation="relu", name="fc2"),
+        keras.layers.Dense(10, activation="softmax" if softmax else None, name="predictions"),
+    ], name="alexnet_like")
+
+
+def single_dense_head(seed: int = 2) -> keras.Model:
+    """A functional conv net whose head is one Dense (only the classes are sharded)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((16, 16, 3))
+    h = keras.layers.Conv2D(8, 3, activation="relu")(inputs)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inputs, keras.layers.Dense(10, name="logits")(h), name="gap_net")
+
+
+def batchnorm_trunk(seed: int = 3, input_shape=(8, 8, 1)) -> keras.Model:
+    """A functional trunk with BatchNormalization and a residual add; Dropout in the head."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(input_shape)
+    h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.ReLU()(h)
+    r = keras.layers.Conv2D(16, 3, padding="same")(h)
+    h = keras.layers.Add()([h, keras.layers.BatchNormalization()(r)])
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(64, activation="relu", name="fc1")(h)
+    h = keras.layers.Dropout(0.3, name="drop1")(h)
+    outputs = keras.layers.Dense(10, activation="softmax", name="predictions")(h)
+    return keras.Model(inputs, outputs, name="bn_net")
+
+
+def random_data(n: int, shape=(16, 16, 3), classes: int = 10, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n,) + tuple(shape)).astype(np.float32),
+            rng.integers(0, classes, size=n).astype(np.int32))
+
+
+def digits() -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's 8x8 digits in [0, 1], a fixed 80/20 split."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.images / 16.0).astype(np.float32)[..., None]
+    y = d.target.astype(np.int32)
+    order = np.random.default_rng(0).permutation(len(x))
+    x, y = x[order], y[order]
+    cut = int(0.8 * len(x))
+    return x[:cut], y[:cut], x[cut:], y[cut:]
+
+
+def copy_of(model: keras.Model) -> keras.Model:
+    """The same architecture with the same weights, on one device."""
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    return clone
+
+
+def max_rel_diff(a, b) -> float:
+    """Worst relative difference over two lists of arrays (scale: the reference's max)."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape, (x.shape, y.shape)
+        worst = max(worst, float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-6)))
+    return worst
+
+
+def dataset(x, y, batch: int) -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)

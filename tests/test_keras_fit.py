@@ -1,0 +1,129 @@
+"""owt_tf.parallelize against Keras itself: the same model trained by plain `fit` on one device.
+
+Same initial weights, same global batches (no shuffle), same optimizer; after 3 steps every
+weight must agree to 1e-5 relative and the logged loss and accuracy must be Keras' own.
+For fc_batch='worker' the reference is a one-device loop that applies the K sequential FC
+updates of a step (the paper's rows) with Keras optimizers.
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import owt_tf
+from keras_models import (alexnet_like, copy_of, dataset, max_rel_diff, random_data,
+                          single_dense_head)
+from owt_tf.models.split import split_keras_model
+
+LR, MOMENTUM, BATCH, STEPS = 0.05, 0.9, 32, 3
+
+
+def _compile(model, **kw):
+    model.compile(optimizer=keras.optimizers.SGD(LR, momentum=MOMENTUM),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"], **kw)
+
+
+def _parallel(model, devices, k, scheme, fc_batch="global"):
+    strategy = owt_tf.HybridStrategy(devices=devices[:k], scheme=scheme, fc_batch=fc_batch)
+    with strategy.scope():
+        parallel = owt_tf.parallelize(model, seed=0)
+        _compile(parallel)
+    return parallel
+
+
+@pytest.mark.parametrize("k,scheme", [(2, "owt-a"), (2, "owt-b"), (2, "owt-c"),
+                                      (4, "owt-a"), (4, "owt-b"), (4, "owt-c")])
+def test_fit_equals_plain_keras_fit(devices, k, scheme):
+    x, y = random_data(BATCH * STEPS)
+    reference = alexnet_like()
+    parallel = _parallel(copy_of(reference), devices, k, scheme)
+    _compile(reference)
+    want = reference.fit(dataset(x, y, BATCH), epochs=1, verbose=0).history
+    got = parallel.fit(dataset(x, y, BATCH), epochs=1, verbose=0).history
+    assert max_rel_diff(parallel.to_keras_model().get_weights(), reference.get_weights()) < 1e-5
+    assert got["loss"][0] == pytest.approx(want["loss"][0], rel=1e-5)
+    assert got["accuracy"][0] == pytest.approx(want["accuracy"][0], abs=1e-7)
+
+
+def test_single_dense_head_logits_and_numpy_input(devices):
+    """A head of one Dense (classes sharded over 4), a from_logits loss object, numpy input."""
+    x, y = random_data(BATCH * STEPS, seed=1)
+    reference = single_dense_head()
+    strategy = owt_tf.HybridStrategy(devices=devices[:4], scheme="owt-b")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with strategy.scope():
+        parallel = owt_tf.parallelize(copy_of(reference))
+        parallel.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"])
+    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"])
+    want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    got = parallel.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
+    assert max_rel_diff(parallel.to_keras_model().get_weights(), reference.get_weights()) < 1e-5
+    assert got["loss"][0] == pytest.approx(want["loss"][0], rel=1e-5)
+
+
+def _round_rows(scheme, k, b, r):
+    if scheme == "owt-b":
+        return np.arange(r * b, (r + 1) * b)
+    s = b // k
+    return np.concatenate([np.arange(j * b + r * s, j * b + (r + 1) * s) for j in range(k)])
+
+
+def _worker_reference(model, x, y, k, scheme):
+    """One device: per step, K FC updates on the rounds' rows, then one trunk update from
+    the mean of the rounds' activation gradients (each taken at that round's FC weights)."""
+    split = split_keras_model(model)
+    trunk, dense = split.trunk, [model.get_layer(n) for n in split.dense_names]
+    fc_vars = [v for layer in dense for v in layer.trainable_variables]
+    trunk_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+    fc_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+    losses = []
+    for step in range(STEPS):
+        xb, yb = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
+        with tf.GradientTape() as tape:
+            features = trunk(xb)
+        feature_grad = tf.zeros_like(features)
+        for r in range(k):
+            rows = _round_rows(scheme, k, BATCH // k, r)
+            with tf.GradientTape() as round_tape:
+                round_tape.watch(features)
+                h = tf.gather(features, rows)
+                for layer in dense:
+                    h = layer(h)
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb[rows], h))
+            g_features, *g_fc = round_tape.gradient(loss, [features] + fc_vars)
+            feature_grad += tf.convert_to_tensor(g_features) / k
+            fc_opt.apply_gradients(zip(g_fc, fc_vars))
+            losses.append(float(loss))
+        grads = tape.gradient(features, trunk.trainable_variables, output_gradients=feature_grad)
+        trunk_opt.apply_gradients(zip(grads, trunk.trainable_variables))
+    return losses
+
+
+@pytest.mark.parametrize("k,scheme", [(2, "owt-b"), (4, "owt-c")])
+def test_fc_batch_worker_equals_sequential_fc_updates(devices, k, scheme):
+    x, y = random_data(BATCH * STEPS, seed=2)
+    reference = alexnet_like()
+    parallel = _parallel(copy_of(reference), devices, k, scheme, fc_batch="worker")
+    losses = _worker_reference(reference, x, y, k, scheme)
+    got = parallel.fit(dataset(x, y, BATCH), epochs=1, verbose=0).history
+    assert max_rel_diff(parallel.to_keras_model().get_weights(), reference.get_weights()) < 1e-5
+    assert got["loss"][0] == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+def test_evaluate_and_predict_cover_every_row(devices):
+    """A last partial batch (50 rows, batches of 32 over 4 devices) is padded, not dropped."""
+    x, y = random_data(50, seed=3)
+    reference = alexnet_like()
+    reference.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    parallel = _parallel(copy_of(reference), devices, 4, "owt-b")
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               reference.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(parallel.evaluate(dataset(x, y, 20), verbose=0),
+                               reference.evaluate(x, y, verbose=0), rtol=1e-5)
+    got = parallel.predict(x, batch_size=BATCH, verbose=0)
+    assert got.shape == (50, 10)
+    np.testing.assert_allclose(got, reference.predict(x, verbose=0), atol=1e-6)
+    np.testing.assert_allclose(parallel.predict(tf.data.Dataset.from_tensor_slices(x).batch(16),
+                                                verbose=0), got, atol=1e-6)
