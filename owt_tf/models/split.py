@@ -144,6 +144,27 @@ def _head_spec(chain: List) -> Tuple[HeadSpec, List[str]]:
     return spec, [d.name for d in dense]
 
 
+def _check_head_starts_at_first_dense(model: keras.Model, chain: List, features) -> None:
+    """The head begins at the model's first Dense on a rank-2 input: a layer between it and
+    the final chain (BatchNormalization, a merge, ...) sits inside the head: refused."""
+    for layer in model.layers:
+        if not isinstance(layer, keras.layers.Dense):
+            continue
+        try:
+            rank = len(layer.input.shape)
+        except (AttributeError, ValueError):
+            continue
+        if rank != 2:
+            continue
+        if layer is chain[0]:
+            return
+        inside = _producers(model).get(id(features))
+        what = inside.name if inside is not None else "a layer"
+        kind = type(inside).__name__ if inside is not None else "layer"
+        raise UnsupportedModel(f"layer {what}: a {kind} inside the FC head (after {layer.name}); "
+                               "the head must be a chain of Dense, Activation and Dropout layers")
+
+
 def _check_chain_is_private(model: keras.Model, chain: List, features) -> None:
     """No other layer may read a tensor inside the head (a skip connection into it)."""
     inside = {id(layer.output) for layer in chain[:-1]}
@@ -174,6 +195,7 @@ def split_keras_model(model: keras.Model) -> KerasSplit:
     if len(inputs) != 1:
         raise UnsupportedModel(f"model {model.name}: {len(inputs)} inputs; owt_tf needs one")
     chain, features = _head_chain(model)
+    _check_head_starts_at_first_dense(model, chain, features)
     if len(features.shape) != 2:
         raise UnsupportedModel(f"layer {chain[0].name}: its input has shape {tuple(features.shape)}; "
                                "the first Dense of the head needs a rank-2 input (put Flatten "

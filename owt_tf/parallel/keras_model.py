@@ -205,6 +205,10 @@ class ParallelModel(keras.Model):
             trunk_optimizer = type(optimizer).from_config(optimizer.get_config())
         super().compile(optimizer=trunk_optimizer, loss=loss, metrics=metrics,
                         steps_per_execution=1, run_eagerly=False, jit_compile=False, **kwargs)
+        # Built now, not at the first fit: load_weights then restores the trunk's optimizer
+        # state together with the shards' (Keras skips an unbuilt optimizer's state).
+        with self._hybrid.scope():
+            trunk_optimizer.build(self.trunk.trainable_variables)
         self.head.per_example_loss = _per_example_loss(loss)
         self._fc_optimizer = _ShardOptimizers(
             fc_template, self.head, self._hybrid.devices, trunk_optimizer,
