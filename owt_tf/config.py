@@ -5,17 +5,32 @@ bad combination fails in one line naming the flag, never halfway through trainin
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 from typing import Optional
 
-SCHEMES = ("single", "data", "owt-a", "owt-b", "owt-c")
-FC_BATCH_MODES = ("global", "worker")
-FC_EXCHANGES = ("gather", "colrow")
-LOSS_MODES = ("gathered", "sharded")
+from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, SCHEMES,
+                                  ParallelPlan, PlanError)
+
 LR_SCALINGS = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "step", "cosine")
+
+
+_PLAN_FLAGS = {"scheme": "--scheme", "fc_batch": "--fc-batch", "fc_exchange": "--fc-exchange",
+               "loss": "--loss", "jit": "--jit", "devices": "--devices",
+               "batch_size": "--batch-size"}
+
+
+@contextlib.contextmanager
+def _as_flag_error():
+    """A PlanError as the ConfigError of the flag it is about."""
+    try:
+        yield
+    except PlanError as err:
+        raise ConfigError(_PLAN_FLAGS.get(err.field, "--" + err.field),
+                          str(err).split(": ", 1)[1]) from None
 
 
 class ConfigError(ValueError):
@@ -107,12 +122,14 @@ class RunConfig:
         # The FC rate follows the FC layers' own batch: unscaled when they keep B.
         return self.lr * lr_scale(self.conv_lr_scaling, self.fc_batch_size // self.batch_size)
 
+    def parallel_plan(self) -> ParallelPlan:
+        """The run's ParallelPlan (its rules are checked here and by the strategy)."""
+        with _as_flag_error():
+            return ParallelPlan(self.scheme, self.fc_batch, self.fc_exchange, self.loss, self.jit)
+
     def validate(self) -> "RunConfig":
         """Raises ConfigError for the first invalid field; returns self when all is well."""
-        _choice("--scheme", self.scheme, SCHEMES)
-        _choice("--fc-batch", self.fc_batch, FC_BATCH_MODES)
-        _choice("--fc-exchange", self.fc_exchange, FC_EXCHANGES)
-        _choice("--loss", self.loss, LOSS_MODES)
+        self.parallel_plan()
         _choice("--conv-lr-scaling", self.conv_lr_scaling, LR_SCALINGS)
         _choice("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
         self.decay_epochs()
@@ -123,7 +140,15 @@ class RunConfig:
         from owt_tf.data import DATASET_NAMES
         from owt_tf.models.registry import MODEL_NAMES
 
-        _choice("--model", self.model, MODEL_NAMES)
+        from owt_tf.models.user import UserModelError, check_user_model_name, is_user_model
+
+        if is_user_model(self.model):
+            try:
+                check_user_model_name(self.model)
+            except UserModelError as err:
+                raise ConfigError("--model", str(err)) from None
+        else:
+            _choice("--model", self.model, MODEL_NAMES + ("PATH.keras", "module:function"))
         if self.dataset.startswith("tfds:"):
             if not self.dataset[len("tfds:"):]:
                 raise ConfigError("--dataset", "tfds:NAME needs a dataset name")
@@ -134,21 +159,9 @@ class RunConfig:
         _positive_int("--devices", self.devices)
         _positive_int("--batch-size", self.batch_size)
         _positive_int("--steps", self.steps)
-        k = self.num_replicas
-        if self.scheme == "single" and k != 1:
-            raise ConfigError("--devices", f"scheme 'single' runs on 1 device, got {k}")
-        if self.fc_batch == "worker" and self.scheme not in ("owt-b", "owt-c", "single"):
-            raise ConfigError(
-                "--fc-batch",
-                f"'worker' needs scheme owt-b or owt-c (rounds of one worker's batch), "
-                f"got {self.scheme}",
-            )
-        if self.scheme == "owt-c" and self.batch_size % k:
-            raise ConfigError(
-                "--batch-size",
-                f"owt-c sends batch_size/K examples per round: {self.batch_size} is not "
-                f"divisible by K = {k}",
-            )
+        plan, k = self.parallel_plan(), self.num_replicas
+        with _as_flag_error():
+            plan.check_devices(k).check_batch(k, self.batch_size)
         for flag, value in (("--lr", self.lr), ("--weight-decay", self.weight_decay)):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(flag, f"must be a finite number >= 0, got {value}")
@@ -219,8 +232,10 @@ class RunConfig:
         """FC widths must split evenly over the devices (class counts are padded instead)."""
         from owt_tf.models.registry import build_model
 
-        if self.scheme == "data":
-            return
+        from owt_tf.models.user import is_user_model
+
+        if self.scheme == "data" or is_user_model(self.model):
+            return  # a user's model is checked when it is loaded (Trainer)
         for width in build_model(self.model, num_classes=2).head.hidden:
             if width % self.num_replicas:
                 raise ConfigError("--devices", f"model {self.model}'s FC width {width} is not "

@@ -56,7 +56,7 @@ def build_serving_module(model, mean: Sequence[float], std: Sequence[float]):
             h = self.trunk(x, training=False)
             for i, (kernel, bias) in enumerate(self.fc):
                 h = tf.matmul(h, kernel) + bias
-                if i < len(self.fc) - 1:
+                if i < len(self.fc) - 1 and spec.head.hidden_activation(i) == "relu":
                     h = tf.nn.relu(h)
             probabilities = tf.nn.softmax(h)
             top5 = tf.math.top_k(probabilities, k=min(5, classes)).indices

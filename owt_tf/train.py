@@ -15,8 +15,10 @@ from owt_tf.config import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS
                            LR_SCHEDULES, PRESETS, SCHEMES, ConfigError, RunConfig)
 
 HELP = {
-    "model": "network: alexnet (the paper's, 224x224), vgg16 (224x224), or their CPU-sized 32x32 "
-             "versions alexnet_tiny and vgg_tiny",
+    "model": "network: alexnet (the paper's, 224x224), vgg16 (224x224), their CPU-sized 32x32 "
+             "versions alexnet_tiny and vgg_tiny, or your own Keras model: PATH.keras or "
+             "package.module:function (called with the class count; it returns a keras.Model "
+             "split at its Dense head, with its own weights, activations and dropout)",
     "dataset": "digits (embedded default), imagenet2012 (with --manual-dir), folder:PATH (PATH/train/<label>/*, PATH/validation/"
                "<label>/*), tfds:NAME (a TFDS dataset prepared in --data-dir) or synthetic",
     "data_dir": "where prepared TFDS datasets live",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 MODEL_BUILDERS = {
     "alexnet": "owt_tf.models.alexnet:alexnet",
@@ -12,8 +13,16 @@ MODEL_BUILDERS = {
 MODEL_NAMES = tuple(MODEL_BUILDERS)
 
 
-def build_model(name: str, num_classes: int, dropout: float = 0.5, image_size=None):
-    """The ModelSpec registered under `name` (at `image_size` x `image_size` when given)."""
+def build_model(name: str, num_classes: Optional[int], dropout: float = 0.5, image_size=None):
+    """The ModelSpec registered under `name` (at `image_size` x `image_size` when given), or
+    the user's model (`PATH.keras`, `module:function`: its own head, dropout and size).
+    `num_classes` None: a registry model's default, a user model's own."""
+    from owt_tf.models.user import is_user_model, user_model_spec
+
+    if is_user_model(name):
+        return user_model_spec(name, num_classes)
+    if num_classes is None:
+        num_classes = 10
     if name not in MODEL_BUILDERS:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")
     module, function = MODEL_BUILDERS[name].split(":")

@@ -7,7 +7,7 @@ Initial weights come from here and depend on the seed only, never on K or the sc
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, List, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import numpy as np
 
@@ -70,6 +70,16 @@ class ModelSpec:
     input_shape: Tuple[int, int, int]
     build_trunk: Callable[[], "keras.Model"]
     head: HeadSpec
+    # A user's model keeps its own weights: () -> (trunk weights, [(kernel, bias), ...]).
+    # None: drawn from the seed (initial_trunk_weights / initial_head_weights).
+    initial_weights: Optional[Callable[[], Tuple[list, list]]] = None
+
+    def initial_weights_for(self, trunk: "keras.Model", seed: int):
+        """(trunk weights, whole FC layers) to start from: the model's own, or drawn."""
+        if self.initial_weights is not None:
+            return self.initial_weights()
+        return (initial_trunk_weights(trunk, seed),
+                initial_head_weights(self.trunk_output_dim(trunk), self.head, seed))
 
     def trunk_output_dim(self, trunk: "keras.Model") -> int:
         return int(np.prod(trunk.output_shape[1:]))

@@ -1,5 +1,23 @@
-"""The parallelism plan: FC shards, schemes, collectives and HybridStrategy. No training loop."""
-from owt_tf.parallel.schemes import SchemePlan
-from owt_tf.parallel.strategy import DistributedModel, HybridStrategy
+"""The parallelism plan: FC shards, schemes, collectives and HybridStrategy. No training loop.
 
-__all__ = ["DistributedModel", "HybridStrategy", "SchemePlan"]
+Loads lazily: `owt_tf.parallel.plan` is pure Python, so the CLI checks a plan before
+TensorFlow is imported.
+"""
+import importlib
+
+_LAZY = {
+    "DistributedModel": "owt_tf.parallel.strategy",
+    "HybridStrategy": "owt_tf.parallel.strategy",
+    "SchemePlan": "owt_tf.parallel.schemes",
+    "ParallelPlan": "owt_tf.parallel.plan",
+    "parallelize": "owt_tf.parallel.keras_model",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(name)
+
+
+__all__ = list(_LAZY)

@@ -64,8 +64,10 @@ class ShardedDense(tf.Module):
                              f"({self.out_dim}) divisible by {k}")
         self.local_shards: List[int] = list(range(k) if local is None else local)
         kernel_parts, bias_parts = self.split_full(kernel, bias)
-        self.kernels: Dict[int, tf.Variable] = {}
-        self.biases: Dict[int, tf.Variable] = {}
+        # Lists by shard index (None: a shard held by another process); a SavedModel can
+        # hold lists, not dicts with int keys.
+        self.kernels: List[Optional[tf.Variable]] = [None] * k
+        self.biases: List[Optional[tf.Variable]] = [None] * k
         for i in self.local_shards:
             with tf.device(devices[i]):
                 self.kernels[i] = tf.Variable(kernel_parts[i], name=f"{name}_kernel_{i}")

@@ -32,7 +32,7 @@ import tensorflow as tf
 from owt_tf.cluster import Cluster
 from owt_tf.devices import (make_multiworker_strategy, make_strategy, outside_strategy_scope,
                             replica_devices)
-from owt_tf.models.spec import ModelSpec, initial_head_weights, initial_trunk_weights
+from owt_tf.models.spec import ModelSpec
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.plan import ParallelPlan
 from owt_tf.parallel.schemes import SchemePlan
@@ -165,8 +165,8 @@ class HybridStrategy:
         """Trunk mirrored on every device; FC shard k on devices[k] (or mirrored for 'data')."""
         with self.strategy.scope():
             trunk = spec.build_trunk()
-        trunk.set_weights(initial_trunk_weights(trunk, seed))
-        full = initial_head_weights(spec.trunk_output_dim(trunk), spec.head, seed)
+        trunk_weights, full = spec.initial_weights_for(trunk, seed)
+        trunk.set_weights(trunk_weights)
         return DistributedModel(spec, trunk, self.place_head(spec.head, full), self.read_shards)
 
     def place_head(self, spec, full_weights) -> ShardedHead:

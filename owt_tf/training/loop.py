@@ -16,10 +16,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.config import RunConfig, lr_factor
+from owt_tf.config import ConfigError, RunConfig, lr_factor
 from owt_tf.data.datasets import load_dataset
 from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
+from owt_tf.parallel.plan import PlanError
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import RunCheckpoints
 from owt_tf.training.optim import build_optimizer
@@ -47,6 +48,17 @@ class EvalMetrics:
     examples: int
 
 
+def _model_spec(config: RunConfig, num_classes: Optional[int]):
+    """--model's spec: a registry model, or the user's Keras model (refusals as flag errors)."""
+    from owt_tf.models.split import UnsupportedModel
+    from owt_tf.models.user import UserModelError
+
+    try:
+        return build_model(config.model, num_classes, config.dropout)
+    except (UnsupportedModel, UserModelError) as err:
+        raise ConfigError("--model", str(err)) from None
+
+
 class Trainer:
     """One run: data, the distributed model, its optimizer and the compiled step."""
 
@@ -62,11 +74,15 @@ class Trainer:
         self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
                                      config.fc_batch, config.fc_exchange, config.loss,
                                      jit=config.jit, cluster=config.resolved_cluster())
-        probe = build_model(config.model, num_classes=10, dropout=config.dropout)
+        probe = _model_spec(config, None)
         self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed,
                                     data_dir=config.data_dir, download=config.download,
                                     manual_dir=config.manual_dir)
-        self.spec = build_model(config.model, self.dataset.num_classes, config.dropout)
+        self.spec = _model_spec(config, self.dataset.num_classes)
+        try:
+            self.hybrid.parallel_plan.check_widths(self.spec.head.hidden, self.hybrid.num_replicas)
+        except PlanError as err:
+            raise ConfigError("--devices", f"model {config.model}: {err}") from None
         self.model = self.hybrid.build_model(self.spec, config.seed)
         self.optimizer = build_optimizer(
             self.hybrid, self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)
