@@ -36,6 +36,7 @@ class HeadSpec:
     activations: Tuple[str, ...] = ()
     dropouts: Tuple[float, ...] = ()
     output_activation: str = "linear"
+    names: Tuple[str, ...] = ()  # the FC layers' names (a user's model), for messages
 
     def __post_init__(self):
         n = len(self.hidden)

@@ -140,7 +140,7 @@ def _head_spec(chain: List) -> Tuple[HeadSpec, List[str]]:
     spec = HeadSpec(hidden=tuple(int(d.units) for d in dense[:-1]),
                     num_classes=int(dense[-1].units), dropout=0.0,
                     activations=tuple(activations[:-1]), dropouts=tuple(dropouts[:-1]),
-                    output_activation=activations[-1])
+                    output_activation=activations[-1], names=tuple(d.name for d in dense))
     return spec, [d.name for d in dense]
 
 
@@ -194,6 +194,12 @@ def split_keras_model(model: keras.Model) -> KerasSplit:
                                "keras.Input first")
     if len(inputs) != 1:
         raise UnsupportedModel(f"model {model.name}: {len(inputs)} inputs; owt_tf needs one")
+    # A fresh graph: a loaded (or reused) model's layers can have several call sites, and
+    # `layer.output` then names only one of them.
+    original = model
+    model = keras.models.clone_model(original)
+    model.set_weights(original.get_weights())
+    inputs = model.inputs
     chain, features = _head_chain(model)
     _check_head_starts_at_first_dense(model, chain, features)
     if len(features.shape) != 2:

@@ -43,7 +43,8 @@ def _load(name: str, num_classes: Optional[int]):
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as err:
         raise UserModelError(f"{name}: {err}") from None
-    model = function(num_classes) if num_classes is not None else function()
+    # The class count does not change the input shape, which is all a probe (None) needs.
+    model = function(num_classes if num_classes is not None else 10)
     if not isinstance(model, keras.Model):
         raise UserModelError(f"{name}: returned {type(model).__name__}, not a keras.Model")
     return model

@@ -80,9 +80,10 @@ class Trainer:
                                     manual_dir=config.manual_dir)
         self.spec = _model_spec(config, self.dataset.num_classes)
         try:
-            self.hybrid.parallel_plan.check_widths(self.spec.head.hidden, self.hybrid.num_replicas)
+            self.hybrid.parallel_plan.check_widths(self.spec.head.hidden, self.hybrid.num_replicas,
+                                                   self.spec.head.names[:-1] or None)
         except PlanError as err:
-            raise ConfigError("--devices", f"model {config.model}: {err}") from None
+            raise ConfigError("--devices", f"model {config.model}: {str(err).split(': ', 1)[1]}") from None
         self.model = self.hybrid.build_model(self.spec, config.seed)
         self.optimizer = build_optimizer(
             self.hybrid, self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)
