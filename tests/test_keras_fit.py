@@ -15,7 +15,6 @@ import tensorflow as tf
 import owt_tf
 from keras_models import (alexnet_like, copy_of, dataset, max_rel_diff, random_data,
                           single_dense_head)
-from owt_tf.models.split import split_keras_model
 
 LR, MOMENTUM, BATCH, STEPS = 0.05, 0.9, 32, 3
 
@@ -73,8 +72,8 @@ def _round_rows(scheme, k, b, r):
 def _worker_reference(model, x, y, k, scheme):
     """One device: per step, K FC updates on the rounds' rows, then one trunk update from
     the mean of the rounds' activation gradients (each taken at that round's FC weights)."""
-    split = split_keras_model(model)
-    trunk, dense = split.trunk, [model.get_layer(n) for n in split.dense_names]
+    trunk = keras.Model(model.inputs, model.get_layer("flatten").output)
+    dense = [model.get_layer(n) for n in ("fc1", "fc2", "predictions")]
     fc_vars = [v for layer in dense for v in layer.trainable_variables]
     trunk_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
     fc_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
