@@ -65,6 +65,21 @@ def test_initial_weights_depend_on_the_seed_only():
     assert [k.shape for k, _ in h1] == [(288, 256), (256, 256), (256, 10)]
 
 
+def test_initial_trunk_weights_draw_kernels_only():
+    """BatchNormalization keeps gamma = 1 and moving variance = 1 (zeroing every 1-D weight
+    made a BatchNorm trunk that never trained)."""
+    import keras
+
+    trunk = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, name="conv"),
+                              keras.layers.BatchNormalization(name="bn")])
+    drawn = dict(zip([w.path.split("/", 1)[1] for w in trunk.weights],
+                     initial_trunk_weights(trunk, 0)))
+    np.testing.assert_array_equal(drawn["bn/gamma"], np.ones(4))
+    np.testing.assert_array_equal(drawn["bn/moving_variance"], np.ones(4))
+    np.testing.assert_array_equal(drawn["conv/bias"], np.zeros(4))
+    assert not np.array_equal(drawn["conv/kernel"], trunk.get_layer("conv").kernel.numpy())
+
+
 def test_unknown_model_is_refused():
     with pytest.raises(KeyError, match="unknown model"):
         build_model("resnet", 10)
