@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--out", default="keras_fit_run")
     args = parser.parse_args()
     out = args.out
+    keras.utils.set_random_seed(0)  # the same initial weights every run
 
     strategy = owt_tf.HybridStrategy(devices=args.devices, scheme=args.scheme,
                                      fc_batch="worker" if args.scheme != "owt-a" else "global")

@@ -13,14 +13,15 @@ MODEL_BUILDERS = {
 MODEL_NAMES = tuple(MODEL_BUILDERS)
 
 
-def build_model(name: str, num_classes: Optional[int], dropout: float = 0.5, image_size=None):
+def build_model(name: str, num_classes: Optional[int], dropout: float = 0.5, image_size=None,
+                seed: Optional[int] = None):
     """The ModelSpec registered under `name` (at `image_size` x `image_size` when given), or
     the user's model (`PATH.keras`, `module:function`: its own head, dropout and size).
     `num_classes` None: a registry model's default, a user model's own."""
     from owt_tf.models.user import is_user_model, user_model_spec
 
     if is_user_model(name):
-        return user_model_spec(name, num_classes)
+        return user_model_spec(name, num_classes, seed)
     if num_classes is None:
         num_classes = 10
     if name not in MODEL_BUILDERS:

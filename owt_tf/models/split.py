@@ -89,6 +89,8 @@ def _head_chain(model: keras.Model) -> Tuple[List, object]:
 
 def _check_dense(layer, last: bool) -> None:
     reasons = []
+    if not layer.trainable:
+        reasons.append("a frozen (trainable=False) head layer is not supported")
     if not layer.use_bias:
         reasons.append("use_bias=False is not supported")
     for attr in ("kernel_regularizer", "bias_regularizer", "activity_regularizer",

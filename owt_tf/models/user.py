@@ -33,7 +33,7 @@ def check_user_model_name(name: str) -> None:
         raise UserModelError(f"{name}: no such file")
 
 
-def _load(name: str, num_classes: Optional[int]):
+def _load(name: str, num_classes: Optional[int], seed: Optional[int]):
     import keras
 
     if name.endswith(".keras"):
@@ -43,6 +43,10 @@ def _load(name: str, num_classes: Optional[int]):
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as err:
         raise UserModelError(f"{name}: {err}") from None
+    if seed is not None:
+        # Every worker of a cluster must start from the same weights: seeded, the function
+        # draws the same ones in every process.
+        keras.utils.set_random_seed(seed)
     # The class count does not change the input shape, which is all a probe (None) needs.
     model = function(num_classes if num_classes is not None else 10)
     if not isinstance(model, keras.Model):
@@ -50,14 +54,16 @@ def _load(name: str, num_classes: Optional[int]):
     return model
 
 
-def user_model_spec(name: str, num_classes: Optional[int] = None) -> ModelSpec:
-    """The ModelSpec of the user's model; `num_classes` None: whatever it has."""
+def user_model_spec(name: str, num_classes: Optional[int] = None,
+                    seed: Optional[int] = None) -> ModelSpec:
+    """The ModelSpec of the user's model; `num_classes` None: whatever it has. `seed` seeds
+    Keras' initializers before a `module:function` is called (a file's weights are its own)."""
     import keras
 
     from owt_tf.devices import outside_strategy_scope
     from owt_tf.models.split import split_keras_model
 
-    model = outside_strategy_scope(lambda: _load(name, num_classes))
+    model = outside_strategy_scope(lambda: _load(name, num_classes, seed))
     split = split_keras_model(model)
     if num_classes is not None and split.head.num_classes != num_classes:
         raise UserModelError(f"{name}: the model has {split.head.num_classes} classes, the "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import numpy as np
 import tensorflow as tf
 
 DEFAULT_BATCH_SIZE = 32  # Keras' own default for arrays
@@ -69,8 +68,18 @@ def _elements(dataset: tf.data.Dataset, with_labels: bool) -> tf.data.Dataset:
     if with_labels and len(spec) < 2:
         raise DataError("the data has no labels (expected (x, y) elements)")
     if with_labels:
-        return dataset.map(lambda *t: (t[0], t[1]))
+        return dataset.map(lambda *t: (t[0], _class_ids(t[1])))
     return dataset.map(lambda *t: (t[0],))
+
+
+def _class_ids(labels: tf.Tensor) -> tf.Tensor:
+    """Integer labels as int32 class ids of rank 0 per row ([N, 1] squeezed, uint8 widened:
+    TF's collective gather takes float, int32 and int64 only); other labels unchanged."""
+    if not labels.dtype.is_integer:
+        return labels
+    if labels.shape.rank == 1 and labels.shape[0] == 1:
+        labels = tf.squeeze(labels, axis=0)
+    return tf.cast(labels, tf.int32) if labels.dtype not in (tf.int32, tf.int64) else labels
 
 
 def check_global_batch(size: int, num_replicas: int) -> int:
@@ -118,6 +127,3 @@ def padded_batches(x, y, batch_size: Optional[int], num_replicas: int,
     return padded.prefetch(tf.data.AUTOTUNE)
 
 
-def num_rows(x) -> Optional[int]:
-    """Rows of array data (None for a dataset)."""
-    return None if isinstance(x, tf.data.Dataset) else int(np.shape(x)[0])

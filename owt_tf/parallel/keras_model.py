@@ -44,7 +44,7 @@ from owt_tf.parallel.strategy import HybridStrategy, current_strategy
 # Optimizers whose update of each weight depends only on that weight's own gradient and
 # state, so that updating a shard equals updating its part of the whole layer.
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
-                          "Adamax", "Nadam", "Lion", "Ftrl")
+                          "Adamax", "Lion", "Ftrl")
 
 
 class CompileError(ValueError):
@@ -63,13 +63,22 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
     if not hybrid.model_parallel:
         raise UnsupportedModel("scheme 'data' shards nothing: train the model with "
                                "tf.distribute.MirroredStrategy and plain Keras instead")
-    split = split_keras_model(model)
+    # Outside the scope: the split works on a throwaway clone, which needs no mirrored copy.
+    split = outside_strategy_scope(lambda: split_keras_model(model))
+    source = keras.saving.serialize_keras_object(model)
+    try:  # refused now, not at the first save after training (Keras consumes the dict: a copy)
+        outside_strategy_scope(
+            lambda: keras.saving.deserialize_keras_object(json.loads(json.dumps(source))))
+    except Exception as err:  # noqa: BLE001 -- any failure means save/export would fail
+        raise UnsupportedModel(f"model {model.name}: cannot be rebuilt from its config, so it "
+                               f"could not be saved ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0]}); register custom layers with "
+                               "keras.saving.register_keras_serializable") from None
     try:
         hybrid.parallel_plan.check_widths(split.head.hidden, hybrid.num_replicas,
                                           split.dense_names[:-1])
     except PlanError as err:
         raise UnsupportedModel(str(err).split(": ", 1)[1]) from None
-    source = keras.saving.serialize_keras_object(model)
     if seed is None:
         seed = int(np.random.default_rng().integers(2**31 - 1))
     with hybrid.scope():
@@ -92,7 +101,6 @@ class _ShardOptimizers:
         self.head = head
         self.trunk_optimizer = trunk_optimizer
         self.lr_ratio = lr_ratio
-        self.clipvalue = template.clipvalue
         self.weight_decay = template.weight_decay
 
         def build():
@@ -119,8 +127,9 @@ class _ShardOptimizers:
         per_variable = len(state) // n
         if len(state) % n or any(tuple(s.shape) != tuple(variables[i // per_variable].shape)
                                  for i, s in enumerate(state)):
-            raise CompileError(f"optimizer {type(self.clones[k]).__name__}: its state is not one "
-                               "tensor per weight, so it cannot be split with the weights")
+            raise CompileError(f"optimizer {type(self.clones[k]).__name__} with these settings: "
+                               "its state is not a fixed number of tensors shaped like each "
+                               "weight, so it cannot be split with the weights")
         return len(state) // n
 
     def slots(self, k: int) -> List[List]:
@@ -135,12 +144,11 @@ class _ShardOptimizers:
         return tf.cast(self.trunk_optimizer.learning_rate, tf.float32) * self.lr_ratio
 
     def apply(self, shard: int, grads: List[tf.Tensor]) -> None:
-        """Keras' own update on this shard: clip by value, decoupled weight decay, step."""
+        """Keras' own update on this shard: decoupled weight decay (as Keras applies it,
+        before the step, at the current rate), then the optimizer's update_step."""
         clone = self.clones[shard]
         lr = self.learning_rate()
         for g, v in zip(grads, self.head.shard_variables(shard)):
-            if self.clipvalue is not None:
-                g = tf.clip_by_value(g, -self.clipvalue, self.clipvalue)
             if self.weight_decay:
                 v.assign_sub(v * tf.cast(self.weight_decay * lr, v.dtype))
             clone.update_step(g, v, lr)
@@ -155,14 +163,41 @@ def _initial_rate(optimizer: keras.optimizers.Optimizer) -> float:
     return float(lr)
 
 
+def _rate_ratio(optimizer, fc_optimizer) -> float:
+    """FC rate / trunk rate, fixed at compile (1 without an fc_optimizer)."""
+    if fc_optimizer is None:
+        return 1.0
+    trunk_rate = _initial_rate(optimizer)
+    if trunk_rate <= 0:
+        raise CompileError("with fc_optimizer, the trunk optimizer's rate at step 0 must be > 0 "
+                           "(the FC rate follows it in the ratio of the two)")
+    return _initial_rate(keras.optimizers.get(fc_optimizer)) / trunk_rate
+
+
 def _per_example_loss(loss):
-    """(labels, outputs) -> per-example values of the compiled loss."""
+    """(labels, outputs) -> per-example values of the compiled loss (a mean over each
+    round's rows is taken by the engine, as Keras' default reduction does)."""
     fn = keras.losses.get(loss)
     if fn is None:
         raise CompileError("loss is required")
     if isinstance(fn, keras.losses.Loss):
-        return fn.call
-    return fn
+        config = fn.get_config()
+        if config.get("reduction") not in ("sum_over_batch_size", "mean"):
+            raise CompileError(f"loss reduction {config.get('reduction')!r} is not supported "
+                               "(the loss is averaged over each round's rows)")
+        if config.get("ignore_class") is not None:
+            raise CompileError("ignore_class is not supported (the loss is averaged over "
+                               "every row of a round)")
+        fn = fn.call
+
+    def per_example(labels, outputs):
+        values = fn(labels, outputs)
+        if values.shape.rank != 1:
+            raise CompileError(f"the loss must give one value per example; it gave shape "
+                               f"{values.shape}")
+        return values
+
+    return per_example
 
 
 class ParallelModel(keras.Model):
@@ -210,17 +245,20 @@ class ParallelModel(keras.Model):
         with self._hybrid.scope():
             trunk_optimizer.build(self.trunk.trainable_variables)
         self.head.per_example_loss = _per_example_loss(loss)
-        self._fc_optimizer = _ShardOptimizers(
-            fc_template, self.head, self._hybrid.devices, trunk_optimizer,
-            _initial_rate(fc_template) / max(_initial_rate(optimizer), 1e-30))
+        self._fc_optimizer = _ShardOptimizers(fc_template, self.head, self._hybrid.devices,
+                                              trunk_optimizer, _rate_ratio(optimizer, fc_optimizer))
         if self._pending_fc_slots is not None:
             self._restore_fc_slots(self._pending_fc_slots)
             self._pending_fc_slots = None
 
     def _refuse_settings(self, steps_per_execution, run_eagerly, jit_compile, loss, kwargs):
         if steps_per_execution != 1:
-            raise CompileError("steps_per_execution > 1 is not supported: Keras fails with it "
-                               "under MirroredStrategy (keras-team/keras#19246)")
+            raise CompileError(f"steps_per_execution={steps_per_execution!r} is not supported "
+                               "(1 only): Keras fails with more under MirroredStrategy "
+                               "(keras-team/keras#19246)")
+        if kwargs.get("loss_scale_factor") is not None:
+            raise CompileError("loss_scale_factor is not supported (the shards' updates would "
+                               "not be scaled like the trunk's)")
         if run_eagerly:
             raise CompileError("run_eagerly=True is not supported: the forward gather and the "
                                "backward all-to-all of different replicas deadlock when run op "
@@ -239,7 +277,9 @@ class ParallelModel(keras.Model):
     def _refuse_optimizer(opt):
         if isinstance(opt, keras.optimizers.LossScaleOptimizer):
             raise CompileError("LossScaleOptimizer is not supported (float32 only)")
-        for attr, why in (("clipnorm", "a norm over a whole FC layer spans its shards"),
+        for attr, why in (("clipvalue", "Keras clips each replica's part of a trunk "
+                                        "gradient, not the sum"),
+                          ("clipnorm", "a norm over a whole FC layer spans its shards"),
                           ("global_clipnorm", "a norm over all weights spans the shards"),
                           ("use_ema", "EMA weights are not kept for shards"),
                           ("gradient_accumulation_steps", "accumulation is not supported")):
@@ -248,12 +288,14 @@ class ParallelModel(keras.Model):
         if opt.built:
             raise CompileError("pass an optimizer that has not been used yet (it is rebuilt "
                                "inside the strategy's scope)")
+        # Exclusions are not in the optimizer's config, so its copies would decay every weight.
+        if getattr(opt, "_exclude_from_weight_decay", None) or getattr(
+                opt, "_exclude_from_weight_decay_pattern", None):
+            raise CompileError("exclude_from_weight_decay is not supported")
 
     # -- steps (traced by Keras inside strategy.run) --------------------------------------
     def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if sample_weight is not None:
-            raise keras_data.DataError("sample weights are not supported by a parallelized model")
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)  # fit refused sample weights
         plan = self._hybrid.scheme_plan(self._static_rows(x))
         trunk_vars = self.trunk.trainable_variables
         step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64),
@@ -391,6 +433,20 @@ class ParallelModel(keras.Model):
     def fc_weights(self) -> List:
         """Every Dense layer of the head whole: [(kernel, bias), ...] as numpy arrays."""
         return self.head.full_weights(self._hybrid.read_shards)
+
+    def get_weights(self) -> List[np.ndarray]:
+        """The trunk's weights, then each Dense layer's kernel and bias, whole (the order of
+        the user's model when its head is last); EarlyStopping's restore_best_weights uses it."""
+        return self.trunk.get_weights() + [w for pair in self.fc_weights() for w in pair]
+
+    def set_weights(self, weights) -> None:
+        n = len(self.trunk.get_weights())
+        self.trunk.set_weights(weights[:n])
+        head = weights[n:]
+        state = {}
+        for i in range(len(self.head.layers)):
+            state[f"fc{i}_kernel"], state[f"fc{i}_bias"] = head[2 * i], head[2 * i + 1]
+        self._restore_head(state)
 
     def to_keras_model(self) -> keras.Model:
         """The user's architecture as a plain one-device Keras model with these weights."""

@@ -54,7 +54,7 @@ def _model_spec(config: RunConfig, num_classes: Optional[int]):
     from owt_tf.models.user import UserModelError
 
     try:
-        return build_model(config.model, num_classes, config.dropout)
+        return build_model(config.model, num_classes, config.dropout, seed=config.seed)
     except (UnsupportedModel, UserModelError) as err:
         raise ConfigError("--model", str(err)) from None
 
