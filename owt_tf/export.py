@@ -28,41 +28,54 @@ def check_out_dir(out: str, overwrite: bool) -> None:
         raise ExportError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
 
 
-def build_serving_module(model, mean: Sequence[float], std: Sequence[float]):
-    """A tf.Module with the trunk cloned onto one device and the FC layers assembled whole."""
+def build_serving_archive(model, mean: Sequence[float], std: Sequence[float]):
+    """A `keras.export.ExportArchive` of `model` on one device: the trunk cloned, the FC layers
+    as a one-shard ShardedHead (the same forward pass training and evaluation run).
+
+    Keras' own archive, not `tf.saved_model.save` of a module holding the trunk: the latter
+    stores each Keras 3 variable twice (read by the function under its Keras path, restored
+    as `Variable_N`), which `tf.saved_model.load` reconciles but the TF1/C++ loader of TF
+    Serving and `saved_model_cli run` do not (keras-team/keras#20095,
+    tensorflow/tensorflow#72963, tensorflow/serving#2226); TFLite then also keeps the trunk
+    as uninitialised variables and returns NaN.
+    """
     import keras
     import tensorflow as tf
 
     from owt_tf.data.preprocess import eval_preprocess
+    from owt_tf.parallel.shards import ShardedHead
 
     spec = model.spec
     trunk = keras.models.clone_model(model.trunk)
     trunk.set_weights(model.trunk.get_weights())
-    layers = [(tf.Variable(k, name=f"fc{i}_kernel"), tf.Variable(b, name=f"fc{i}_bias"))
-              for i, (k, b) in enumerate(model.full_weights()["head"])]
+    head = ShardedHead(spec.head, model.full_weights()["head"], [None])
     height, width, channels = spec.input_shape
     classes = spec.head.num_classes
 
-    class Serving(tf.Module):
-        def __init__(self):
-            super().__init__(name="owt_tf_model")
-            self.trunk = trunk
-            self.fc = layers
+    def serve(images):
+        x = eval_preprocess(images, (height, width), mean, std)
+        logits = head.forward(trunk(x, training=False), 0, False, None)[:, :classes]
+        probabilities = tf.nn.softmax(logits)
+        top5 = tf.math.top_k(probabilities, k=min(5, classes)).indices
+        return {"probabilities": probabilities, "top5": tf.cast(top5, tf.int64)}
 
-        @tf.function(input_signature=[tf.TensorSpec([None, None, None, channels], tf.uint8,
-                                                    name="images")])
-        def serve(self, images):
-            x = eval_preprocess(images, (height, width), mean, std)
-            h = self.trunk(x, training=False)
-            for i, (kernel, bias) in enumerate(self.fc):
-                h = tf.matmul(h, kernel) + bias
-                if i < len(self.fc) - 1 and spec.head.hidden_activation(i) == "relu":
-                    h = tf.nn.relu(h)
-            probabilities = tf.nn.softmax(h)
-            top5 = tf.math.top_k(probabilities, k=min(5, classes)).indices
-            return {"probabilities": probabilities, "top5": tf.cast(top5, tf.int64)}
+    archive = keras.export.ExportArchive()
+    archive.track(trunk)
+    archive.track(head)
+    archive.add_endpoint(EXPORT_SIGNATURE, serve, input_signature=[
+        tf.TensorSpec([None, None, None, channels], tf.uint8, name="images")])
+    return archive
 
-    return Serving()
+
+def _make_readable(path: str) -> None:
+    """Directories 0777 and files 0666 less the umask (mkdtemp made the staging dir 0700,
+    which a serving account could not read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, dirs, files in os.walk(path):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
 def export_saved_model(model, mean: Sequence[float], std: Sequence[float], out: str,
@@ -74,15 +87,16 @@ def export_saved_model(model, mean: Sequence[float], std: Sequence[float], out: 
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    module = build_serving_module(model, mean, std)
+    archive = build_serving_archive(model, mean, std)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
-        tf.saved_model.save(module, staging, signatures={EXPORT_SIGNATURE: module.serve})
+        archive.write_out(staging, verbose=False)
         with open(os.path.join(staging, "owt_tf_export.json"), "w") as f:
             json.dump({"model": model.spec.name, "num_classes": model.spec.head.num_classes,
                        "input_shape": list(model.spec.input_shape), "dataset": dataset,
                        "mean": list(mean),
                        "std": list(std)}, f, indent=1)
+        _make_readable(staging)
         if os.path.exists(out):
             retired = out + ".old-" + os.path.basename(staging)
             os.replace(out, retired)

@@ -117,3 +117,68 @@ def test_ten_crop_views():
     np.testing.assert_array_equal(crops[0], images[:, :3, :4])
     np.testing.assert_array_equal(crops[3], images[:, 2:, 2:])
     np.testing.assert_array_equal(crops[5], images[:, :3, :4][:, :, ::-1])
+
+
+def _served(trained, out, images):
+    """The export's outputs through tf.saved_model.load (the reference for other consumers)."""
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(str(out))
+    result = loaded.signatures["serving_default"](images=tf.constant(images))
+    return {k: v.numpy() for k, v in result.items()}
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("consumers") / "model"
+    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out))
+    return out
+
+
+def test_tf1_session_loader_runs_the_export(trained, exported, tmp_path):
+    """`saved_model_cli run` loads through the TF1/C++ path TF Serving uses (every variable
+    restored, not only those tf.saved_model.load reconciles)."""
+    images = trained.dataset.val_images[:6]
+    np.save(tmp_path / "images.npy", images)
+    cli = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
+    proc = subprocess.run([cli, "run", "--dir", str(exported), "--tag_set", "serve",
+                           "--signature_def", "serving_default",
+                           "--inputs", f"images={tmp_path / 'images.npy'}",
+                           "--outdir", str(tmp_path / "cli_out")],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = _served(trained, exported, images)
+    got = np.load(tmp_path / "cli_out" / "probabilities.npy")
+    np.testing.assert_allclose(got, want["probabilities"], atol=1e-5)
+    np.testing.assert_array_equal(np.load(tmp_path / "cli_out" / "top5.npy"), want["top5"])
+
+
+def test_tflite_builtins_keep_uint8_input_and_any_image_size(trained, exported):
+    import tensorflow as tf
+
+    converter = tf.lite.TFLiteConverter.from_saved_model(str(exported))
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+    interpreter = tf.lite.Interpreter(model_content=converter.convert())
+    runner = interpreter.get_signature_runner("serving_default")
+    rng = np.random.default_rng(0)
+    for shape in ((3, 32, 32, 3), (2, 45, 60, 3)):  # the model's size, and a larger one
+        images = rng.integers(0, 256, size=shape).astype(np.uint8)
+        got = runner(images=images)
+        want = _served(trained, exported, images)
+        assert np.all(np.isfinite(got["probabilities"]))
+        np.testing.assert_allclose(got["probabilities"], want["probabilities"], atol=1e-5)
+        np.testing.assert_array_equal(got["top5"], want["top5"])
+
+
+def test_keras_tfsm_layer_and_readable_files(trained, exported):
+    import keras
+
+    layer = keras.layers.TFSMLayer(str(exported), call_endpoint="serving_default")
+    images = trained.dataset.val_images[:4]
+    got = layer(images)
+    np.testing.assert_allclose(np.asarray(got["probabilities"]),
+                               _served(trained, exported, images)["probabilities"], atol=1e-6)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(exported).st_mode & 0o777 == 0o777 & ~umask
+    assert os.stat(exported / "saved_model.pb").st_mode & 0o777 == 0o666 & ~umask

@@ -32,7 +32,8 @@ def eval_preprocess(images: tf.Tensor, size: Tuple[int, int], mean: Sequence[flo
 
     same = tf.logical_and(tf.equal(shape[1], height), tf.equal(shape[2], width))
     pixels = tf.cond(same, lambda: tf.cast(images, tf.float32), resize_and_crop)
-    pixels = tf.ensure_shape(pixels, [None, height, width, None])
+    # A reshape, not tf.ensure_shape: TFLite has no EnsureShape builtin.
+    pixels = tf.reshape(pixels, [-1, height, width, images.shape[-1] or shape[3]])
     return normalize(pixels, mean, std)
 
 
