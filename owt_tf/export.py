@@ -28,7 +28,8 @@ def check_out_dir(out: str, overwrite: bool) -> None:
         raise ExportError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
 
 
-def build_serving_archive(model, mean: Sequence[float], std: Sequence[float]):
+def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
+                          class_names: Optional[Sequence[str]] = None):
     """A `keras.export.ExportArchive` of `model` on one device: the trunk cloned, the FC layers
     as a one-shard ShardedHead (the same forward pass training and evaluation run).
 
@@ -51,13 +52,18 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float]):
     head = ShardedHead(spec.head, model.full_weights()["head"], [None])
     height, width, channels = spec.input_shape
     classes = spec.head.num_classes
+    names = list(class_names) if class_names else [str(i) for i in range(classes)]
+    if len(names) != classes:
+        raise ExportError(f"{len(names)} class names for {classes} classes")
+    label_names = tf.constant(names)
 
     def serve(images):
         x = eval_preprocess(images, (height, width), mean, std)
         logits = head.forward(trunk(x, training=False), 0, False, None)[:, :classes]
         probabilities = tf.nn.softmax(logits)
         top5 = tf.math.top_k(probabilities, k=min(5, classes)).indices
-        return {"probabilities": probabilities, "top5": tf.cast(top5, tf.int64)}
+        return {"probabilities": probabilities, "top5": tf.cast(top5, tf.int64),
+                "top5_names": tf.gather(label_names, top5)}
 
     archive = keras.export.ExportArchive()
     archive.track(trunk)
@@ -79,7 +85,8 @@ def _make_readable(path: str) -> None:
 
 
 def export_saved_model(model, mean: Sequence[float], std: Sequence[float], out: str,
-                       overwrite: bool = False, dataset: Optional[str] = None) -> str:
+                       overwrite: bool = False, dataset: Optional[str] = None,
+                       class_names: Optional[Sequence[str]] = None) -> str:
     """Writes the SavedModel of `model` (a DistributedModel) to `out`, atomically."""
     import tensorflow as tf
 
@@ -87,13 +94,14 @@ def export_saved_model(model, mean: Sequence[float], std: Sequence[float], out: 
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    archive = build_serving_archive(model, mean, std)
+    archive = build_serving_archive(model, mean, std, class_names)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         archive.write_out(staging, verbose=False)
         with open(os.path.join(staging, "owt_tf_export.json"), "w") as f:
             json.dump({"model": model.spec.name, "num_classes": model.spec.head.num_classes,
                        "input_shape": list(model.spec.input_shape), "dataset": dataset,
+                       "class_names": list(class_names or []) or None,
                        "mean": list(mean),
                        "std": list(std)}, f, indent=1)
         _make_readable(staging)
@@ -147,7 +155,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_out_dir(args.out, args.overwrite)
         trainer = load_run(args.logdir)
         path = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
-                                  args.out, args.overwrite, trainer.config.dataset)
+                                  args.out, args.overwrite, trainer.config.dataset,
+                                  trainer.dataset.label_names())
     except ExportError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2

@@ -168,6 +168,7 @@ def test_tflite_builtins_keep_uint8_input_and_any_image_size(trained, exported):
         assert np.all(np.isfinite(got["probabilities"]))
         np.testing.assert_allclose(got["probabilities"], want["probabilities"], atol=1e-5)
         np.testing.assert_array_equal(got["top5"], want["top5"])
+        np.testing.assert_array_equal(got["top5_names"], want["top5_names"])
 
 
 def test_keras_tfsm_layer_and_readable_files(trained, exported):
@@ -182,3 +183,15 @@ def test_keras_tfsm_layer_and_readable_files(trained, exported):
     os.umask(umask)
     assert os.stat(exported).st_mode & 0o777 == 0o777 & ~umask
     assert os.stat(exported / "saved_model.pb").st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_top5_names_are_the_datasets_labels(trained, tmp_path):
+    out = tmp_path / "named"
+    names = [f"class_{i}" for i in range(10)]
+    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out),
+                       class_names=names)
+    got = _served(trained, out, trained.dataset.val_images[:5])
+    want = np.array(names, dtype=object)[got["top5"]]
+    np.testing.assert_array_equal(got["top5_names"].astype(str), want.astype(str))
+    assert json.loads((out / "owt_tf_export.json").read_text())["class_names"] == names
+    assert trained.dataset.label_names() == tuple("0123456789")

@@ -48,6 +48,10 @@ class ArrayDataset:
     mean: Tuple[float, ...]
     std: Tuple[float, ...]
 
+    def label_names(self) -> Tuple[str, ...]:
+        """Class names by label (digits: '0'...'9')."""
+        return tuple(str(i) for i in range(self.num_classes))
+
     def train(self, global_batch: int, seed: int, start: int = 0) -> tf.data.Dataset:
         """Endless shuffled global batches (a new order each epoch, fixed by `seed`) of
         (images, labels, positions), from stream position `start` on (a resumed run
@@ -156,6 +160,13 @@ class StreamDataset:
     # AlexNet subtracts the mean pixel; ImageNet's mean and spread stand in for any set.
     mean: Tuple[float, ...] = (123.68, 116.78, 103.94)
     std: Tuple[float, ...] = (58.4, 57.1, 57.4)
+
+    def label_names(self) -> Tuple[str, ...]:
+        """Class names by label: the folder names, TFDS' label names, else the numbers."""
+        names = getattr(self, "class_names", None)
+        if names is None and getattr(self, "builder", None) is not None:
+            names = self.builder.info.features["label"].names
+        return tuple(names) if names else tuple(str(i) for i in range(self.num_classes))
 
     def _channels(self):
         c = self.image_shape[-1]

@@ -297,7 +297,8 @@ class Trainer:
         from owt_tf.export import export_saved_model
 
         path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
-                                  self.config.export_dir, dataset=self.config.dataset)
+                                  self.config.export_dir, dataset=self.config.dataset,
+                                  class_names=self.dataset.label_names())
         log(f"exported SavedModel to {path}")
 
     def _train_steps(self, first: int, steps: int, summaries: RunSummaries, bar, val_history,
