@@ -20,4 +20,10 @@ setup(
     packages=find_packages(include=["owt_tf", "owt_tf.*"]),
     python_requires=">=3.10",
     install_requires=requirements(),
+    extras_require={
+        # what the test suite needs besides the library: pytest, the plot of the study, and
+        # the export consumers it loads the SavedModel into (ONNX)
+        "test": ["pytest>=8", "matplotlib>=3.8", "tf2onnx>=1.17", "onnxruntime>=1.20"],
+        "study": ["matplotlib>=3.8"],
+    },
 )

@@ -222,7 +222,11 @@ def markdown(rows: List[Dict[str, object]], args: argparse.Namespace) -> str:
 
 def plot(runs: List[Dict[str, object]], path: str, scalings: Sequence[str]) -> None:
     """Validation error against epochs, mean over seeds, one panel per scaling rule."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("python -m owt_tf.study: error: the plot needs matplotlib: "
+                         "pip install -e .[study]") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
