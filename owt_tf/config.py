@@ -170,9 +170,9 @@ class RunConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError("--dropout", f"must be in [0, 1), got {self.dropout}")
         self._check_model_fits()
-        if self.export_dir and os.path.exists(self.export_dir) and (
-                not os.path.isdir(self.export_dir) or os.listdir(self.export_dir)):
-            raise ConfigError("--export-dir", f"{self.export_dir} exists and is not empty")
+        if self.export_dir and os.path.exists(self.export_dir) and not os.path.isdir(
+                self.export_dir):
+            raise ConfigError("--export-dir", f"{self.export_dir} exists and is not a directory")
         for flag, value in (("--log-every", self.log_every),
                             ("--histogram-every", self.histogram_every)):
             if value < 0:

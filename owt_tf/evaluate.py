@@ -65,7 +65,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--logdir", help="a run directory (its latest checkpoint)")
-    source.add_argument("--model", help="a SavedModel written by owt_tf.export")
+    source.add_argument("--model", help="a SavedModel written by owt_tf.export (a version "
+                        "directory, or its base path: the newest version)")
     parser.add_argument("--split", default="validation", choices=("validation", "train"))
     parser.add_argument("--ten-crop", action="store_true", help="average 10 crops per image")
     args = parser.parse_args(argv)
@@ -110,6 +111,9 @@ def _load_export(path: str):
     from owt_tf.data.datasets import load_dataset
     from owt_tf.export import ExportError
 
+    from owt_tf.export import latest_version
+
+    path = latest_version(path)
     meta_path = os.path.join(path, "owt_tf_export.json")
     if not os.path.exists(meta_path):
         raise ExportError(f"--model {path} is not an owt_tf export (no owt_tf_export.json)")

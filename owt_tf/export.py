@@ -1,11 +1,13 @@
-"""`python -m owt_tf.export --logdir RUN --out DIR`: a run's latest checkpoint as a SavedModel.
+"""`python -m owt_tf.export --logdir RUN --out BASE`: a run's latest checkpoint as a SavedModel
+in `BASE/<version>/` (TF Serving's model base path layout; `--version N`, default one past
+the newest).
 
 The SavedModel is a single-device graph (FC shards assembled into whole layers) whose
 `serving_default` takes `images`, uint8 [N, H, W, C], does the eval preprocessing inside,
 and returns `probabilities` [N, classes] and `top5` [N, 5] int64. It loads with plain
-`tf.saved_model.load`, without owt_tf. It is written to a temporary directory beside
-`--out` and renamed into place, so a crash never leaves half a model; a non-empty `--out`
-is refused unless `--overwrite`.
+`tf.saved_model.load`, without owt_tf, and in TF Serving, TFLite and ONNX. It is written to
+a temporary directory under BASE (a name TF Serving ignores) and renamed into place, so a
+crash never leaves half a model; an existing version is replaced only with `--overwrite`.
 """
 from __future__ import annotations
 
@@ -23,9 +25,35 @@ class ExportError(ValueError):
     """The export cannot be written as asked."""
 
 
-def check_out_dir(out: str, overwrite: bool) -> None:
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
-        raise ExportError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+def versions(base: str) -> List[int]:
+    """The numbered versions under a model base path, lowest first."""
+    if not os.path.isdir(base):
+        return []
+    return sorted(int(d) for d in os.listdir(base)
+                  if d.isdigit() and os.path.isdir(os.path.join(base, d)))
+
+
+def version_path(base: str, version: Optional[int] = None, overwrite: bool = False) -> str:
+    """Where version `version` (default: one past the newest) of the model at `base` goes:
+    TF Serving's layout, `base/<version>/`, so a running server loads a new one by itself."""
+    if os.path.exists(base) and not os.path.isdir(base):
+        raise ExportError(f"--out {base} exists and is not a directory")
+    if version is None:
+        version = (versions(base) or [0])[-1] + 1
+    if version < 0:
+        raise ExportError(f"--version must be >= 0, got {version}")
+    path = os.path.join(base, str(version))
+    if os.path.exists(path) and not overwrite:
+        raise ExportError(f"{path} exists; pass --overwrite to replace version {version}")
+    return path
+
+
+def latest_version(path: str) -> str:
+    """An export directory itself, or a model base path's newest version."""
+    found = versions(path)
+    if found and not os.path.exists(os.path.join(path, "saved_model.pb")):
+        return os.path.join(path, str(found[-1]))
+    return path
 
 
 def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
@@ -73,27 +101,30 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
     return archive
 
 
-def _make_readable(path: str) -> None:
+def _make_readable(path: str, files: bool = True) -> None:
     """Directories 0777 and files 0666 less the umask (mkdtemp made the staging dir 0700,
     which a serving account could not read)."""
     umask = os.umask(0)
     os.umask(umask)
-    for root, dirs, files in os.walk(path):
+    if not files:
+        os.chmod(path, 0o777 & ~umask)
+        return
+    for root, _, names in os.walk(path):
         os.chmod(root, 0o777 & ~umask)
-        for name in files:
+        for name in names:
             os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
-def export_saved_model(model, mean: Sequence[float], std: Sequence[float], out: str,
+def export_saved_model(model, mean: Sequence[float], std: Sequence[float], base: str,
                        overwrite: bool = False, dataset: Optional[str] = None,
-                       class_names: Optional[Sequence[str]] = None) -> str:
-    """Writes the SavedModel of `model` (a DistributedModel) to `out`, atomically."""
-    import tensorflow as tf
-
-    check_out_dir(out, overwrite)
-    out = os.path.abspath(out)
+                       class_names: Optional[Sequence[str]] = None,
+                       version: Optional[int] = None) -> str:
+    """Writes the SavedModel of `model` (a DistributedModel) as `base/<version>/`, atomically
+    (staged under `base` in a directory TF Serving ignores, then renamed). Returns its path."""
+    out = os.path.abspath(version_path(base, version, overwrite))
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
+    _make_readable(parent, files=False)
     archive = build_serving_archive(model, mean, std, class_names)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
@@ -148,15 +179,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = OneLineParser(prog="python -m owt_tf.export", description=__doc__)
     parser.add_argument("--logdir", required=True, help="the run directory to export")
-    parser.add_argument("--out", required=True, help="directory for the SavedModel")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--out", required=True,
+                        help="the model base path: the SavedModel goes to OUT/<version>/")
+    parser.add_argument("--version", type=int, default=None,
+                        help="the version number (default: one past the newest under --out)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --version")
     args = parser.parse_args(argv)
     try:
-        check_out_dir(args.out, args.overwrite)
+        version_path(args.out, args.version, args.overwrite)  # refused before any work
         trainer = load_run(args.logdir)
         path = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
                                   args.out, args.overwrite, trainer.config.dataset,
-                                  trainer.dataset.label_names())
+                                  trainer.dataset.label_names(), args.version)
     except ExportError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2

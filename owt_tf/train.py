@@ -46,7 +46,8 @@ HELP = {
     "jit": "XLA-compile the conv trunk's forward and backward on each device",
     "logdir": "run directory for checkpoints (default runs/<timestamp>); an existing one resumes",
     "checkpoint_every": "save a checkpoint every N steps (0: only at the end)",
-    "export_dir": "write the trained model there as a SavedModel at the end (must be empty)",
+    "export_dir": "at the end, export the trained model as a SavedModel to EXPORT_DIR/<n>/, "
+                  "n one past the newest version there (TF Serving's model base path)",
     "log_every": "write training scalars to TensorBoard every N steps",
     "histogram_every": "write weight and gradient histograms every N steps (0: never)",
     "profile_steps": "A:B: record a TensorBoard profiler trace of steps A to B",

@@ -102,9 +102,8 @@ def test_cli_rejects_bad_flags_in_one_line(tmp_path, args, flag):
 
 def test_cli_dataset_and_output_errors_in_one_line(tmp_path):
     """Errors found once TensorFlow is up: still exit 2, one error line, nothing written."""
-    busy = tmp_path / "busy_export"
-    busy.mkdir()
-    (busy / "x").write_text("keep")
+    busy = tmp_path / "busy_export"  # a file where the model base path should be
+    busy.write_text("keep")
     empty_label = tmp_path / "imgs"
     (empty_label / "train" / "cat").mkdir(parents=True)
     (empty_label / "validation").mkdir()
@@ -123,7 +122,7 @@ def test_cli_dataset_and_output_errors_in_one_line(tmp_path):
         assert proc.returncode == 2, (args, proc.stderr[-2000:])
         assert len(errors) == 1 and needle in errors[0], (args, proc.stderr[-2000:])
         assert not (work / "run").exists() and os.listdir(work) == []
-    assert (busy / "x").read_text() == "keep"
+    assert busy.read_text() == "keep"
 
 
 def _unwritable_dir(tmp_path):

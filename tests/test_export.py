@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +27,9 @@ def trained(devices, tmp_path_factory):
 
 
 def test_fresh_process_gets_the_training_models_probabilities(trained, tmp_path):
-    out = tmp_path / "model"
-    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out))
+    out = tmp_path / "model" / "1"
+    assert export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std,
+                              str(tmp_path / "model")) == str(out)
     images = trained.dataset.val_images[:37]
     np.save(tmp_path / "images.npy", images)
     logits = trained.predict_logits(images)
@@ -54,8 +56,8 @@ def test_fresh_process_gets_the_training_models_probabilities(trained, tmp_path)
 
 
 def test_saved_model_cli_lists_the_signature(trained, tmp_path):
-    out = tmp_path / "model"
-    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out))
+    out = export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std,
+                             str(tmp_path / "model"))
     cli = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
     proc = subprocess.run([cli, "show", "--dir", str(out), "--all"], capture_output=True,
                           text=True, env=ENV, timeout=300)
@@ -66,17 +68,21 @@ def test_saved_model_cli_lists_the_signature(trained, tmp_path):
     assert "DT_UINT8" in proc.stdout and "DT_INT64" in proc.stdout
 
 
-def test_non_empty_out_is_refused_and_overwrite_replaces(trained, tmp_path):
-    out = tmp_path / "busy"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="not empty"):
-        export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out))
-    assert (out / "keep.txt").read_text() == "mine"
-    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out),
-                       overwrite=True)
-    assert (out / "saved_model.pb").exists() and not (out / "keep.txt").exists()
-    assert not [p for p in os.listdir(tmp_path) if p.startswith(".export-")]
+def test_versions_are_numbered_and_an_existing_one_kept_unless_overwrite(trained, tmp_path):
+    base = tmp_path / "served"
+    base.mkdir()
+    (base / "README.txt").write_text("mine")  # not a version: left alone
+    args = (trained.model, trained.dataset.mean, trained.dataset.std, str(base))
+    assert export_saved_model(*args) == str(base / "1")
+    assert export_saved_model(*args) == str(base / "2")
+    (base / "2" / "marker").write_text("old")
+    with pytest.raises(ExportError, match="--overwrite"):
+        export_saved_model(*args, version=2)
+    assert (base / "2" / "marker").exists()
+    assert export_saved_model(*args, version=2, overwrite=True) == str(base / "2")
+    assert (base / "2" / "saved_model.pb").exists() and not (base / "2" / "marker").exists()
+    assert export_saved_model(*args, version=7) == str(base / "7")
+    assert sorted(os.listdir(base)) == ["1", "2", "7", "README.txt"]
 
 
 def test_export_cli_from_a_logdir(trained, tmp_path):
@@ -84,9 +90,10 @@ def test_export_cli_from_a_logdir(trained, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "owt_tf.export", "--logdir", trained.logdir,
                            "--out", str(out)], capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (out / "saved_model.pb").exists()
+    assert (out / "1" / "saved_model.pb").exists()
     again = subprocess.run([sys.executable, "-m", "owt_tf.export", "--logdir", trained.logdir,
-                            "--out", str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+                            "--out", str(out), "--version", "1"],
+                           capture_output=True, text=True, env=ENV, timeout=300)
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
@@ -95,7 +102,7 @@ def test_evaluate_cli_reports_the_runs_validation_error(trained, tmp_path):
     import re
 
     ev = trained.evaluate()
-    out = tmp_path / "for_eval"
+    out = tmp_path / "for_eval"  # a base path: evaluate takes its newest version
     export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out),
                        dataset="digits")
     for source in (["--logdir", trained.logdir], ["--model", str(out)]):
@@ -130,9 +137,9 @@ def _served(trained, out, images):
 
 @pytest.fixture(scope="module")
 def exported(trained, tmp_path_factory):
-    out = tmp_path_factory.mktemp("consumers") / "model"
-    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out))
-    return out
+    base = tmp_path_factory.mktemp("consumers") / "model"
+    return Path(export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std,
+                                   str(base)))
 
 
 def test_tf1_session_loader_runs_the_export(trained, exported, tmp_path):
@@ -182,14 +189,14 @@ def test_keras_tfsm_layer_and_readable_files(trained, exported):
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(exported).st_mode & 0o777 == 0o777 & ~umask
+    assert os.stat(exported.parent).st_mode & 0o777 == 0o777 & ~umask
     assert os.stat(exported / "saved_model.pb").st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_top5_names_are_the_datasets_labels(trained, tmp_path):
-    out = tmp_path / "named"
     names = [f"class_{i}" for i in range(10)]
-    export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std, str(out),
-                       class_names=names)
+    out = Path(export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std,
+                                  str(tmp_path / "named"), class_names=names))
     got = _served(trained, out, trained.dataset.val_images[:5])
     want = np.array(names, dtype=object)[got["top5"]]
     np.testing.assert_array_equal(got["top5_names"].astype(str), want.astype(str))

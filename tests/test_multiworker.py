@@ -128,7 +128,7 @@ def test_workers_match_one_device(reference, cluster_runs, scheme, workers, per_
     assert got["fc/.ATTRIBUTES/fc0_kernel"].shape == reference["fc/.ATTRIBUTES/fc0_kernel"].shape
 
     # The chief's SavedModel holds the FC layers both processes' shards make up.
-    exported = tf.saved_model.load(os.path.join(os.path.dirname(logdir), "model"))
+    exported = tf.saved_model.load(os.path.join(os.path.dirname(logdir), "model", "1"))
     for i, (kernel, bias) in enumerate(exported.fc):
         assert np.array_equal(kernel.numpy(), got[f"fc/.ATTRIBUTES/fc{i}_kernel"])
         assert np.array_equal(bias.numpy(), got[f"fc/.ATTRIBUTES/fc{i}_bias"])

@@ -83,7 +83,7 @@ def test_cli_trains_resumes_at_another_k_and_exports(tmp_path, user_module):
     out = str(tmp_path / "export")
     exported = _cli(["owt_tf.export", "--logdir", logdir, "--out", out], tmp_path, pythonpath)
     assert exported.returncode == 0, exported.stderr[-3000:]
-    serving = tf.saved_model.load(out)
+    serving = tf.saved_model.load(os.path.join(out, "1"))
     probabilities = serving.signatures["serving_default"](
         images=tf.zeros([2, 16, 16, 3], tf.uint8))["probabilities"].numpy()
     assert probabilities.shape == (2, 10)
