@@ -96,6 +96,9 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
     archive = keras.export.ExportArchive()
     archive.track(trunk)
     archive.track(head)
+    # The whole FC layers, [kernel0, bias0, kernel1, ...], for readers of the SavedModel.
+    archive.add_variable_collection("fc_layers", [v for layer in head.layers
+                                                  for v in layer.shard_variables(0)])
     archive.add_endpoint(EXPORT_SIGNATURE, serve, input_signature=[
         tf.TensorSpec([None, None, None, channels], tf.uint8, name="images")])
     return archive

@@ -129,7 +129,8 @@ def test_workers_match_one_device(reference, cluster_runs, scheme, workers, per_
 
     # The chief's SavedModel holds the FC layers both processes' shards make up.
     exported = tf.saved_model.load(os.path.join(os.path.dirname(logdir), "model", "1"))
-    for i, (kernel, bias) in enumerate(exported.fc):
+    layers = exported.fc_layers
+    for i, (kernel, bias) in enumerate(zip(layers[0::2], layers[1::2])):
         assert np.array_equal(kernel.numpy(), got[f"fc/.ATTRIBUTES/fc{i}_kernel"])
         assert np.array_equal(bias.numpy(), got[f"fc/.ATTRIBUTES/fc{i}_bias"])
 
