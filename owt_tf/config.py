@@ -269,7 +269,7 @@ def lr_factor(config: RunConfig, step: int, steps_per_epoch: float, total_steps:
 
 
 def lr_scale(rule: str, k: int) -> float:
-    """How much a learning rate grows when the batch grows k-fold (PAPER.md, 'Variable batch')."""
+    """How much a learning rate grows when the batch grows k-fold (docs/paper.md, 'Batch sizes and learning rates')."""
     if rule == "linear":
         return float(k)
     if rule == "sqrt":

@@ -51,8 +51,8 @@ OWT_SCHEMES = ("data", "owt-a", "owt-b", "owt-c")
 ALTERNATIVES = ("model-parallel", "async-ps", "grouped-hybrid")
 GROUP = 2  # Yadan et al.: model parallel within pairs of GPUs
 
-# PAPER.md's 1-GPU row: 98.05 h of cuda-convnet2 on a K20 for the 1-worker run of the
-# one-tower AlexNet. The epoch count is not in PAPER.md; 90 epochs of ILSVRC-2012's
+# The paper's 1-GPU row (docs/paper.md): 98.05 h of cuda-convnet2 on a K20 for the 1-worker run of the
+# one-tower AlexNet. The epoch count is not in docs/paper.md; 90 epochs of ILSVRC-2012's
 # 1,281,167 training images is AlexNet's and torchvision's recipe (an assumption, stated).
 PAPER_ONE_GPU_HOURS = 98.05
 PAPER_EPOCHS = 90
@@ -76,7 +76,7 @@ class Hardware:
 
 @functools.lru_cache(maxsize=None)
 def _k20_sustained_flops() -> float:
-    """FLOP/s at which cuda-convnet2 ran on a K20: PAPER.md's 1-GPU row, priced with this model."""
+    """FLOP/s at which cuda-convnet2 ran on a K20: the paper's (docs/paper.md) 1-GPU row, priced with this model."""
     net = network_cost("alexnet", 1000)
     steps = PAPER_EPOCHS * ILSVRC_TRAIN_IMAGES / 128
     step_s = PAPER_ONE_GPU_HOURS * 3600 / steps
@@ -90,7 +90,7 @@ def _gpu_utilization() -> float:
 
 
 def preset(name: str, devices: int = 8) -> Hardware:
-    """A named machine. Every number is a datasheet figure or derived from PAPER.md (see README)."""
+    """A named machine. Every number is a datasheet figure or derived from docs/paper.md (see README)."""
     if name == "k20-pcie":
         return Hardware(
             name, flops=_k20_sustained_flops(), memory_bandwidth=208e9,
@@ -98,7 +98,7 @@ def preset(name: str, devices: int = 8) -> Hardware:
             # host the link trains at Gen2: 5 GT/s x 16 lanes x 8/10 = 8 GB/s each way.
             link_bandwidth=8e9, latency=10e-6, shared_link=True,
             source="Tesla K20 board spec: 3.52 TFLOP/s peak, 208 GB/s, PCIe Gen2 x16; sustained "
-                   "FLOP/s from PAPER.md's 1-GPU row (98.05 h, 90 epochs); ~10 us per transfer")
+                   "FLOP/s from the paper's (docs/paper.md) 1-GPU row (98.05 h, 90 epochs); ~10 us per transfer")
     if name in ("h100-nvlink", "h200-nvlink"):
         memory = 3.35e12 if name == "h100-nvlink" else 4.8e12
         return Hardware(
@@ -421,7 +421,7 @@ def recommend(net: NetworkCost, hw: Hardware, k: int, batch_size: int) -> Predic
 
 
 def paper_rows(net: NetworkCost, hw: Hardware) -> List[Dict[str, object]]:
-    """PAPER.md's Table 1 multi-GPU rows, predicted: (128K, 128K) is owt-a, (128K, 128) owt-c."""
+    """The paper's Table 1 multi-GPU rows (docs/paper.md), predicted: (128K, 128K) is owt-a, (128K, 128) owt-c."""
     paper = {(2, "owt-a"): 1.95, (2, "owt-c"): 1.93, (4, "owt-a"): 3.74, (4, "owt-c"): 3.66,
              (8, "owt-a"): 6.25, (8, "owt-c"): 6.16}
     out = []
@@ -484,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fc-exchange", choices=FC_EXCHANGES, default="gather")
     p.add_argument("--loss", choices=LOSS_MODES, default="gathered")
     p.add_argument("--recommend", action="store_true", help="print the fastest owt_tf flags per K")
-    p.add_argument("--paper", action="store_true", help="compare with PAPER.md's Table 1 speedups")
+    p.add_argument("--paper", action="store_true", help="compare with the paper's (docs/paper.md) Table 1 speedups")
     p.add_argument("--layers", action="store_true", help="print per-layer FLOPs and parameters")
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
     return p

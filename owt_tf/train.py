@@ -26,7 +26,7 @@ HELP = {
     "manual_dir": "imagenet2012: the folder holding ILSVRC2012_img_train.tar and _val.tar",
     "devices": "devices per process (GPUs, else logical CPU devices); K = this x the cluster's "
                "workers",
-    "scheme": "single | data (pure data parallel) | owt-a | owt-b | owt-c (PAPER.md)",
+    "scheme": "single | data (pure data parallel) | owt-a | owt-b | owt-c (docs/paper.md)",
     "batch_size": "examples per worker per step (B); the global batch is B*K",
     "fc_batch": "global: FC updated once per step on B*K; worker: after every round on B (b, c)",
     "fc_exchange": "gather (paper: all-gather FC outputs) or colrow (Megatron column/row pairs)",

@@ -27,7 +27,7 @@ def test_digits_split_is_fixed_disjoint_and_complete():
 
 
 def test_replica_k_gets_rows_k_b_to_k_plus_1_b(devices):
-    """DESIGN.md's run contract: the global batch is split in replica order."""
+    """The run contract (docs/design.md): the global batch is split in replica order."""
     strategy = make_strategy(devices[:4])
     ds = tf.data.Dataset.range(64).batch(16)
     for i, batch in enumerate(strategy.experimental_distribute_dataset(ds)):

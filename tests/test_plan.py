@@ -23,7 +23,7 @@ def alexnet():
 
 
 def test_alexnet_layer_costs_match_a_hand_count(alexnet):
-    """Multiply-adds per example written out from PAPER.md's layer table (224x224 input)."""
+    """Multiply-adds per example written out from the paper's (docs/paper.md) layer table (224x224 input)."""
     macs = {
         "conv1": 55 * 55 * 64 * 11 * 11 * 3,
         "conv2": 27 * 27 * 192 * 5 * 5 * 64,
@@ -36,7 +36,7 @@ def test_alexnet_layer_costs_match_a_hand_count(alexnet):
     assert got == {name: 2 * m for name, m in macs.items()}
     assert alexnet.shape.trunk_params == 2_469_696 and alexnet.shape.fc_params == 58_631_144
     assert sum(l.params for l in alexnet.layers) == alexnet.params
-    # PAPER.md: conv ~90-95 % of the compute, ~5 % of the parameters
+    # docs/paper.md: conv ~90-95 % of the compute, ~5 % of the parameters
     assert 0.90 < alexnet.conv_train_flops / alexnet.train_flops < 0.95
     assert alexnet.shape.trunk_params / alexnet.params < 0.05
 

@@ -1,4 +1,4 @@
-"""The traffic formula against PAPER.md's figures for the paper's AlexNet (B=128, fp32)."""
+"""The traffic formula against the paper's (docs/paper.md) figures for the paper's AlexNet (B=128, fp32)."""
 import pytest
 
 from owt_tf.parallel import collectives as coll
@@ -13,7 +13,7 @@ def test_data_parallel_all_reduces_every_parameter(k):
     t = traffic.step_traffic(ALEXNET, "data", k, 128)
     params = 2_469_696 + 58_631_144
     assert traffic.total(t) == coll.all_reduce_cost(params * 4, k)
-    # PAPER.md: each worker sends 2 (K-1)/K * 244 MB
+    # docs/paper.md: each worker sends 2 (K-1)/K * 244 MB
     assert float(traffic.total(t)) / 1e6 == pytest.approx(2 * (k - 1) / k * 244.4, rel=1e-3)
 
 

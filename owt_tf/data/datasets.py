@@ -9,7 +9,7 @@
 
 A training batch is the *global* batch of B*K examples; MirroredStrategy's
 experimental_distribute_dataset gives replica k rows k*B ... (k+1)*B-1 of it, so step t
-sees the same examples whatever K is (DESIGN.md's run contract).
+sees the same examples whatever K is (the run contract, docs/design.md).
 
 Training batches are (images, labels, positions): an example's position is its index in
 the endless, seeded input stream, counted before anything is decoded. Streamed images that

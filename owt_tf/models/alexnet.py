@@ -54,7 +54,7 @@ def _alexnet_family(name: str, side: int, filters, conv1: tuple, fc_width: int,
 
 def alexnet(num_classes: int = 1000, dropout: float = 0.5, response_norm: bool = True,
             image_size: int = 224) -> ModelSpec:
-    """One-tower AlexNet (PAPER.md's table; conv4 has 256 filters as in cuda-convnet2).
+    """One-tower AlexNet (the paper's (docs/paper.md) table; conv4 has 256 filters as in cuda-convnet2).
 
     224x224x3 -> conv1 11x11/4 pad 2 (55) -> pool (27) -> conv2 (27) -> pool (13) ->
     conv3..5 (13) -> pool (6): 6*6*256 = 9216 features into fc6, fc7 (4096) and fc8.

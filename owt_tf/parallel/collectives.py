@@ -3,7 +3,7 @@
 Each wrapper issues a tf.distribute collective in replica context and, while a
 `TrafficLedger` is recording, adds the bytes one worker sends for it (it receives as many:
 all of these collectives are symmetric). Costs follow the ring algorithms that
-CollectiveAllReduce (CPU) and NCCL (GPU) use, as PAPER.md counts them:
+CollectiveAllReduce (CPU) and NCCL (GPU) use, as docs/paper.md counts them:
 
     all-gather of a local block of b bytes over K workers:  (K-1) * b
     all-reduce of a tensor of T bytes:                      2 (K-1)/K * T
@@ -233,7 +233,7 @@ def broadcast_from(x: tf.Tensor, source: int, purpose: str) -> tf.Tensor:
 
     Issued as an all-reduce of `x` masked to zero off the source. Every replica feeds its own
     `x` into the custom gradient so that all of them take part in the backward reduce
-    (DESIGN.md: with tf.zeros_like off-tape, backward collectives pair up wrongly).
+    (docs/design.md: with tf.zeros_like off-tape, backward collectives pair up wrongly).
     """
     k, me = num_replicas(), replica_id()
     if k == 1:

@@ -4,14 +4,14 @@ This is where the paper's scheme (b) round loop lives (`run_fc_rounds`). A schem
 of rounds; each round is a set of rows of the global batch that every FC shard processes
 together (forward and backward) after one exchange:
 
-    single, owt-a   1 round: all B*K rows, all-gathered (PAPER.md scheme (a))
+    single, owt-a   1 round: all B*K rows, all-gathered (docs/paper.md scheme (a))
     owt-b           K rounds: round r is worker r's B rows, sent to all (scheme (b))
     owt-c           K rounds: round r is rows r*B/K ... of every worker (scheme (c))
     data            1 round of the worker's own B rows, no exchange; FC layers mirrored
 
 Every replica computes the round's loss on the same rows; the exchange's gradient sums
 over replicas, so each replica's copy of the loss is divided by K (else every gradient is
-K times too large, DESIGN.md). With fc_batch='worker' the FC shards are updated after
+K times too large, docs/design.md). With fc_batch='worker' the FC shards are updated after
 every round (K FC updates per conv update, the paper's (128K, 128) rows).
 """
 from __future__ import annotations

@@ -230,7 +230,7 @@ class HybridStrategy:
 
     def distribute_batches(self, dataset: tf.data.Dataset) -> tf.distribute.DistributedDataset:
         """A dataset of global batches (tuples whose first dimension is B*K) as per-replica
-        batches: replica k gets rows k*B ... (k+1)*B-1 (DESIGN.md's run contract). Each
+        batches: replica k gets rows k*B ... (k+1)*B-1 (the run contract, docs/design.md). Each
         process keeps only its own replicas' rows, before anything else is done to them."""
         b, d = self.plan.batch_size, len(self.local_devices)
         first = self.worker_id * d * b
@@ -244,7 +244,7 @@ class HybridStrategy:
 
     def distribute_global_batch(self, array) -> "tf.distribute.DistributedValues":
         """A global batch (numpy or tensor) split by rows: replica k gets rows k*B ... (k+1)*B-1,
-        B = rows / K (DESIGN.md's run contract; experimental_distribute_dataset does the same)."""
+        B = rows / K (the run contract, docs/design.md; experimental_distribute_dataset does the same)."""
         rows = int(array.shape[0]) // self.num_replicas
 
         def local(ctx):

@@ -1,6 +1,6 @@
 """Closed-form bytes one worker sends per step, per scheme: what the ledger must measure.
 
-Written from the scheme definitions (PAPER.md), not from the engine's code, so that a test
+Written from the scheme definitions (docs/paper.md), not from the engine's code, so that a test
 can hold the ledger (owt_tf.parallel.collectives, filled while a real step is traced) to
 it exactly; the planner prices schemes with it. Both share only the ring cost of one
 collective (collectives.*_cost); which collectives a step issues, on what sizes, is

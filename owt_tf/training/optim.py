@@ -11,7 +11,7 @@ K replica gradients are summed, each replica adds weight_decay/K * w.
 
 FC shards are never all-reduced: each replica updates its own shard in place with the same
 rule (`ShardSGD`). Passing shard gradients through Keras' all-reduce raises no error and
-gives silently wrong weights (DESIGN.md), so the two kinds never share an optimizer.
+gives silently wrong weights (docs/design.md), so the two kinds never share an optimizer.
 """
 from __future__ import annotations
 

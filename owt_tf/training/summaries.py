@@ -1,4 +1,4 @@
-"""TensorBoard: the writer of a run and the tag names other tools rely on (DESIGN.md).
+"""TensorBoard: the writer of a run and the tag names other tools rely on (docs/design.md).
 
 Summaries are written from the host loop, outside strategy.run: tf.summary inside a replica
 function records replica 0 only. Watch a run with `tensorboard --logdir runs`.
