@@ -220,10 +220,15 @@ def _inputs(shape=(16, 16, 3)):
     return inputs, keras.layers.Flatten()(keras.layers.Conv2D(4, 3)(inputs))
 
 
-def _refused_tanh():
+def _hidden_dense(name, **dense):
+    """A conv net whose head has one hidden Dense built with `dense`; refused, naming it."""
     inputs, h = _inputs()
-    h = keras.layers.Dense(16, activation="tanh", name="fc_tanh")(h)
-    return keras.Model(inputs, keras.layers.Dense(10, name="out")(h)), "fc_tanh"
+    h = keras.layers.Dense(name=name, **dense)(h)
+    return keras.Model(inputs, keras.layers.Dense(10, name="out")(h)), name
+
+
+def _refused_tanh():
+    return _hidden_dense("fc_tanh", units=16, activation="tanh")
 
 
 def _refused_batchnorm_in_head():
@@ -242,15 +247,11 @@ def _refused_skip_into_head():
 
 
 def _refused_width():
-    inputs, h = _inputs()
-    h = keras.layers.Dense(30, activation="relu", name="fc_30")(h)
-    return keras.Model(inputs, keras.layers.Dense(10, name="out")(h)), "fc_30"
+    return _hidden_dense("fc_30", units=30, activation="relu")
 
 
 def _refused_regularizer():
-    inputs, h = _inputs()
-    h = keras.layers.Dense(16, activation="relu", kernel_regularizer="l2", name="fc_l2")(h)
-    return keras.Model(inputs, keras.layers.Dense(10, name="out")(h)), "fc_l2"
+    return _hidden_dense("fc_l2", units=16, activation="relu", kernel_regularizer="l2")
 
 
 def _refused_frozen():
