@@ -37,7 +37,7 @@ from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel import keras_data
 from owt_tf.parallel.plan import PlanError
-from owt_tf.parallel.shards import ShardedHead, assemble
+from owt_tf.parallel.shards import ShardedHead
 from owt_tf.parallel.step import replica_logits, replica_train_step
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
 
@@ -137,6 +137,10 @@ class _ShardOptimizers:
         state, n = self._state(k), len(self.head.shard_variables(k))
         state = [v.value if hasattr(v, "value") else v for v in state]
         return [[state[i * self.num_slots + s] for i in range(n)] for s in range(self.num_slots)]
+
+    def flat_slots(self, k: int) -> List:
+        """Shard k's slots, slot by slot, each in head.shard_variables order."""
+        return [v for slot in self.slots(k) for v in slot]
 
     def learning_rate(self) -> tf.Tensor:
         """The trunk optimizer's current rate (its schedule, LearningRateScheduler) times the
@@ -488,13 +492,9 @@ class ParallelModel(keras.Model):
             state[f"fc{i}_kernel"], state[f"fc{i}_bias"] = kernel, bias
         if self._fc_optimizer is not None:
             opt = self._fc_optimizer
-            per_shard = self._hybrid.read_shards(
-                {k: [v for slot in opt.slots(k) for v in slot] for k in head.local_shards})
-            n = 2 * len(head.layers)
-            for s in range(opt.num_slots):
-                for i, layer in enumerate(head.layers):
-                    kernel, bias = assemble(layer, [v[s * n + 2 * i] for v in per_shard],
-                                            [v[s * n + 2 * i + 1] for v in per_shard])
+            per_shard = self._hybrid.read_shards({k: opt.flat_slots(k) for k in head.local_shards})
+            for s, layers in enumerate(head.join_groups(per_shard, opt.num_slots)):
+                for i, (kernel, bias) in enumerate(layers):
                     state[f"fc{i}_kernel_slot{s}"], state[f"fc{i}_bias_slot{s}"] = kernel, bias
             first = opt.clones[head.local_shards[0]]
             state["fc_iterations"] = np.asarray(first.iterations.numpy())
@@ -507,10 +507,7 @@ class ParallelModel(keras.Model):
             if kernel.shape != (layer.in_dim, layer.out_dim):
                 raise ValueError(f"{self._dense_names[i]}: saved as {kernel.shape}, this model "
                                  f"has {(layer.in_dim, layer.out_dim)}")
-            kernels, biases = layer.split_full(kernel, bias)
-            for k in head.local_shards:
-                layer.kernels[k].assign(kernels[k])
-                layer.biases[k].assign(biases[k])
+            head.assign_whole(head.shard_variables, 0, i, kernel, bias)
         slots = {k: v for k, v in state.items() if "_slot" in k or k == "fc_iterations"}
         if not slots:
             return
@@ -522,14 +519,10 @@ class ParallelModel(keras.Model):
     def _restore_fc_slots(self, state: Dict[str, np.ndarray]) -> None:
         head, opt = self.head, self._fc_optimizer
         for s in range(opt.num_slots):
-            for i, layer in enumerate(head.layers):
+            for i in range(len(head.layers)):
                 if f"fc{i}_kernel_slot{s}" not in state:
                     return  # saved with another optimizer: keep fresh slots, as Keras does
-                kernels, biases = layer.split_full(state[f"fc{i}_kernel_slot{s}"],
-                                                   state[f"fc{i}_bias_slot{s}"])
-                for k in head.local_shards:
-                    slot = opt.slots(k)[s]
-                    slot[2 * i].assign(kernels[k])
-                    slot[2 * i + 1].assign(biases[k])
+                head.assign_whole(opt.flat_slots, s, i, state[f"fc{i}_kernel_slot{s}"],
+                                  state[f"fc{i}_bias_slot{s}"])
         for clone in opt.clones.values():
             clone.iterations.assign(int(state.get("fc_iterations", 0)))

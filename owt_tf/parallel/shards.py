@@ -154,6 +154,28 @@ class ShardedHead(tf.Module):
         return [assemble(layer, [v[2 * i] for v in values], [v[2 * i + 1] for v in values])
                 for i, layer in enumerate(self.layers)]
 
+    def join_groups(self, values: Sequence[Sequence[np.ndarray]],
+                    groups: int) -> List[List[Tuple[np.ndarray, np.ndarray]]]:
+        """Whole layers from per-shard values laid out as `groups` blocks of
+        [W0, b0, W1, b1, ...] (the weights, then each optimizer slot): [group][layer]."""
+        n = 2 * len(self.layers)
+        return [[assemble(layer, [v[g * n + 2 * i] for v in values],
+                          [v[g * n + 2 * i + 1] for v in values])
+                 for i, layer in enumerate(self.layers)] for g in range(groups)]
+
+    def assign_whole(self, shard_state: Callable[[int], Sequence[tf.Variable]], group: int,
+                     i: int, kernel: np.ndarray, bias: np.ndarray) -> List:
+        """Splits layer i's whole (kernel, bias) -- weights or a slot -- into this process's
+        shards' variables, block `group` of `shard_state(k)` (the join_groups layout)."""
+        n = 2 * len(self.layers)
+        kernel_parts, bias_parts = self.layers[i].split_full(kernel, bias)
+        ops = []
+        for k in self.local_shards:
+            state = shard_state(k)
+            ops.append(state[group * n + 2 * i].assign(kernel_parts[k]))
+            ops.append(state[group * n + 2 * i + 1].assign(bias_parts[k]))
+        return ops
+
     def forward(self, x: tf.Tensor, k: int, training: bool, seed: Optional[tf.Tensor]) -> tf.Tensor:
         """Rows `x` (the same on every replica) through the FC layers; returns shard k's logits.
 

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable  # _serialize_to_tensors API
 
-from owt_tf.parallel.shards import ShardReader, assemble, read_local_shards
+from owt_tf.parallel.shards import ShardReader, read_local_shards
 
 CONFIG_FILE = "run_config.json"
 
@@ -68,12 +68,9 @@ class FcState(trackable.Trackable):
     # Names without "/": TF escapes "/" differently when saving and restoring these tensors.
     def full_tensors(self) -> Dict[str, np.ndarray]:
         values = self._read({k: self._shard_state(k) for k in self._head.local_shards})
-        n = 2 * len(self._head.layers)
         tensors = {}
-        for i, layer in enumerate(self._head.layers):
-            for name, offset in (("", 0), ("_momentum", n)):
-                kernel, bias = assemble(layer, [v[offset + 2 * i] for v in values],
-                                        [v[offset + 2 * i + 1] for v in values])
+        for name, layers in zip(("", "_momentum"), self._head.join_groups(values, 2)):
+            for i, (kernel, bias) in enumerate(layers):
                 tensors[f"fc{i}_kernel{name}"], tensors[f"fc{i}_bias{name}"] = kernel, bias
         return tensors
 
@@ -82,20 +79,15 @@ class FcState(trackable.Trackable):
 
     def _restore_from_tensors(self, restored_tensors: Dict[str, tf.Tensor]):
         ops = []
-        n = 2 * len(self._head.layers)
         for i, layer in enumerate(self._head.layers):
-            for name, offset in (("", 0), ("_momentum", n)):
+            for group, name in enumerate(("", "_momentum")):
                 kernel = np.asarray(restored_tensors[f"fc{i}_kernel{name}"])
                 bias = np.asarray(restored_tensors[f"fc{i}_bias{name}"])
                 if kernel.shape != (layer.in_dim, layer.out_dim):
                     raise CheckpointMismatch(
                         f"FC layer {i} was saved as {kernel.shape}, this model has "
                         f"{(layer.in_dim, layer.out_dim)}")
-                kernel_parts, bias_parts = layer.split_full(kernel, bias)
-                for k in self._head.local_shards:
-                    state = self._shard_state(k)
-                    ops.append(state[offset + 2 * i].assign(kernel_parts[k]))
-                    ops.append(state[offset + 2 * i + 1].assign(bias_parts[k]))
+                ops += self._head.assign_whole(self._shard_state, group, i, kernel, bias)
         return tf.group(ops)
 
 
