@@ -11,15 +11,25 @@ j lives on global replica j's device.
 
 TensorFlow's convention: with a `chief` task it is the chief, else worker 0 is; only the
 chief writes checkpoints and TensorBoard files.
+
+A task that never starts: TensorFlow's cluster registration would wait for it for its own
+default timeout, silently. `watch_peers_start` bounds that wait (OWT_TF_JOIN_TIMEOUT_S,
+default 120 s): every task's gRPC server listens as soon as the task builds its strategy,
+so a peer address that accepts no connection by then names the missing task.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Dict, List, Mapping, Optional, Tuple
+import socket
+import threading
+import time
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 TASK_TYPES = ("chief", "worker")
+JOIN_TIMEOUT_ENV = "OWT_TF_JOIN_TIMEOUT_S"
+DEFAULT_JOIN_TIMEOUT_S = 120.0
 
 
 class ClusterError(ValueError):
@@ -58,6 +68,65 @@ class Cluster:
 
     def spec(self) -> Dict[str, List[str]]:
         return {job: list(addresses) for job, addresses in self.jobs}
+
+    def peers(self) -> List[Tuple[str, str]]:
+        """(task name, host:port) of every other task."""
+        addresses = [a for _, group in self.jobs for a in group]
+        return [(self.task_name_of(w), addresses[w]) for w in range(self.num_workers)
+                if w != self.worker_id]
+
+
+def join_timeout_s(environ: Mapping[str, str] = os.environ) -> float:
+    """How long a worker waits for every other task to start (OWT_TF_JOIN_TIMEOUT_S)."""
+    text = environ.get(JOIN_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(text) if text else DEFAULT_JOIN_TIMEOUT_S
+    except ValueError:
+        raise ClusterError(f"{JOIN_TIMEOUT_ENV}: expected seconds, got {text!r}") from None
+    if value <= 0:
+        raise ClusterError(f"{JOIN_TIMEOUT_ENV}: must be > 0, got {text!r}")
+    return value
+
+
+def _listening(address: str, timeout: float = 1.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def missing_peers(cluster: Cluster, timeout_s: float, poll_s: float = 0.5) -> List[Tuple[str, str]]:
+    """Waits up to `timeout_s` for every other task's address to accept a connection;
+    returns the (task, address) of those that never did."""
+    waiting = cluster.peers()
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        waiting = [(task, address) for task, address in waiting if not _listening(address)]
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    return waiting
+
+
+def watch_peers_start(cluster: Cluster, timeout_s: float,
+                      give_up: Callable[[str], None]) -> threading.Thread:
+    """Calls `give_up(message)` from a daemon thread when some task of the cluster has not
+    started within `timeout_s`; the thread ends quietly once every task listens. (The
+    main thread may be blocked inside TensorFlow's registration then, so `give_up` must end
+    the process itself.)"""
+    def watch():
+        missing = missing_peers(cluster, timeout_s)
+        if missing:
+            names = ", ".join(f"{task} ({address})" for task, address in missing)
+            give_up(f"{'task' if len(missing) == 1 else 'tasks'} {names} did not start within "
+                    f"{timeout_s:g} s (nothing accepts connections there; the bound is "
+                    f"{JOIN_TIMEOUT_ENV}); start every worker with the same command")
+
+    thread = threading.Thread(target=watch, name="owt_tf-cluster-start", daemon=True)
+    thread.start()
+    return thread
 
 
 def parse_cluster_flags(cluster: str, task_index: Optional[int]) -> Cluster:

@@ -72,10 +72,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     from owt_tf.export import ExportError, load_run
+    from owt_tf.training.checkpoint import NoReadableCheckpoint
 
     try:
         if args.logdir:
             trainer = load_run(args.logdir)
+            print(f"checkpoint {trainer.resumed_from}")
             dataset, size = trainer.dataset, trainer.spec.input_shape[:2]
 
             def predict(x):
@@ -84,7 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 return e / e.sum(axis=1, keepdims=True)
         else:
             dataset, size, predict = _load_export(args.model)
-    except (ExportError, FileNotFoundError) as err:
+    except (ExportError, FileNotFoundError, NoReadableCheckpoint) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
     if not hasattr(dataset, "val_images"):  # streamed from disk

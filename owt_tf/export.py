@@ -171,7 +171,7 @@ def load_run(logdir: str):
                                          cluster=None, task_index=None, export_dir=None)
     from owt_tf.training.loop import Trainer
 
-    trainer = Trainer(config)
+    trainer = Trainer(config, read_only=True)  # reads only: no lock, damaged ones left in place
     if trainer.resumed_from is None:
         raise ExportError(f"--logdir {logdir} has no checkpoint")
     return trainer
@@ -179,6 +179,7 @@ def load_run(logdir: str):
 
 def main(argv: Optional[List[str]] = None) -> int:
     from owt_tf.train import OneLineParser
+    from owt_tf.training.checkpoint import NoReadableCheckpoint
 
     parser = OneLineParser(prog="python -m owt_tf.export", description=__doc__)
     parser.add_argument("--logdir", required=True, help="the run directory to export")
@@ -195,7 +196,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         path = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
                                   args.out, args.overwrite, trainer.config.dataset,
                                   trainer.dataset.label_names(), args.version)
-    except ExportError as err:
+    except (ExportError, NoReadableCheckpoint) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
     print(f"exported {trainer.resumed_from} to {path}")

@@ -134,17 +134,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         config.validate()
     except ConfigError as err:
         return _fail(err)
+    try:
+        watch_cluster_start(config)
+    except ValueError as err:  # ClusterError: a bad OWT_TF_JOIN_TIMEOUT_S
+        return _fail(err)
     # TensorFlow loads only now, after the flags were found good.
     from owt_tf.data.datasets import DatasetError
-    from owt_tf.training.checkpoint import CheckpointMismatch
+    from owt_tf.training.checkpoint import CheckpointMismatch, NoReadableCheckpoint
     from owt_tf.training.loop import Trainer
+    from owt_tf.training.rundir import RunDirBusy
 
     from owt_tf.training.checkpoint import CheckpointWriteError
     from owt_tf.training.guard import Interrupted, NonFiniteError, WorkerLost
 
     try:
         trainer = Trainer(config)
-    except (ConfigError, CheckpointMismatch, DatasetError) as err:
+    except (ConfigError, CheckpointMismatch, DatasetError, RunDirBusy, NoReadableCheckpoint) as err:
         return _fail(err)
     code = 0
     try:
@@ -164,6 +169,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     if trainer.hybrid.num_workers > 1:
         exit_worker(code)
     return code
+
+
+def watch_cluster_start(config: RunConfig) -> None:
+    """In a cluster: ends this worker (exit 5, one line naming the missing tasks) when some
+    task of the cluster has not started within the join bound, instead of waiting on
+    TensorFlow's cluster registration for its default timeout."""
+    from owt_tf.cluster import join_timeout_s, watch_peers_start
+
+    cluster = config.resolved_cluster()
+    if cluster is None:
+        return
+
+    def give_up(message: str) -> None:
+        print(f"python -m owt_tf.train: error: {message}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        # From the watcher thread while the main thread may be blocked in TF's registration
+        # (which ignores SIGTERM): nothing was written yet, so end without any teardown.
+        os._exit(EXIT_WORKER_LOST)
+
+    watch_peers_start(cluster, join_timeout_s(), give_up)
 
 
 def exit_worker(code: int) -> None:

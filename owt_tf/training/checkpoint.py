@@ -10,18 +10,30 @@ another K ("Received incompatible tensor with shape (256, 16) ... (256, 32)"). `
 serializes each FC kernel, bias and their momenta as one full (unpadded) tensor and splits
 them again for whatever layout the restoring run has, so a run saved at K=4 resumes at
 K=2, or under another scheme.
+
+Damaged checkpoints: every checkpoint is read back (the index, and each tensor through
+tf.train.load_checkpoint's reader, which checks the tensor's CRC32C) before the `checkpoint`
+index names it and older ones are rotated out, so a write that stored garbage never costs
+the last good one. On resume the newest checkpoint that reads back and restores completely
+is used; newer damaged ones (truncated, bit-flipped, a missing shard, an unreadable index)
+are named in one line and moved aside into `ckpt-N.damaged/`, never deleted, and the index
+is rewritten without them. Readers (`read_only`: evaluate, export, non-chief workers) skip
+them and move nothing.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.trackable import base as trackable  # _serialize_to_tensors API
 
 from owt_tf.parallel.shards import ShardReader, read_local_shards
@@ -42,6 +54,58 @@ def _op_error_text(err: Exception) -> str:
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, read-only, gone); the previous one is kept."""
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint does not read back: its index or a tensor is unreadable or fails its checksum."""
+
+
+class NoReadableCheckpoint(ValueError):
+    """The run has checkpoints, but none of them reads back and restores."""
+
+
+# What TF's checkpoint reader raises on a damaged file: DataLossError for a checksum
+# mismatch, NotFoundError for a missing shard, and IndexError "Read less bytes than
+# requested" from the Python wrapper for a truncated data file.
+_READ_ERRORS = (tf.errors.OpError, IndexError, ValueError, OSError)
+
+
+def _reason(err: BaseException) -> str:
+    text = _op_error_text(err) if isinstance(err, tf.errors.OpError) else str(err)
+    return (text.splitlines() or [type(err).__name__])[0][:200]
+
+
+def verify_checkpoint(path: str) -> None:
+    """Reads the checkpoint at `path` back: its index and every tensor, each checked against
+    the CRC32C stored with it. Raises CheckpointDamaged naming the first failure."""
+    try:
+        reader = tf.train.load_checkpoint(path)
+        for name in sorted(reader.get_variable_to_shape_map()):
+            reader.get_tensor(name)
+    except _READ_ERRORS as err:
+        raise CheckpointDamaged(f"{path} cannot be read back ({_reason(err)})") from None
+
+
+def move_aside(path: str) -> str:
+    """Moves the files of checkpoint `path` (ckpt-N.index, ckpt-N.data-*) into a new
+    directory ckpt-N.damaged/ beside them (never deletes them); returns that directory."""
+    target = path + ".damaged"
+    n = 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{path}.damaged.{n}"
+    os.makedirs(target)
+    for name in glob.glob(glob.escape(path) + ".index") + glob.glob(glob.escape(path) + ".data-*"):
+        os.replace(name, os.path.join(target, os.path.basename(name)))
+    return target
+
+
+def _step_of(path: str) -> int:
+    return int(path.rsplit("-", 1)[1])
+
+
+def _warn(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr)
 
 
 class FcState(trackable.Trackable):
@@ -102,10 +166,14 @@ class RunCheckpoints:
 
     def __init__(self, logdir: str, model, optim, step: tf.Variable, identity: Dict[str, object],
                  counters: Optional[Dict[str, tf.Variable]] = None, max_to_keep: int = 3,
-                 read_shards: ShardReader = read_local_shards, is_chief: bool = True):
+                 read_shards: ShardReader = read_local_shards, is_chief: bool = True,
+                 read_only: bool = False):
         self.directory = os.path.join(logdir, "checkpoints")
         self.identity = identity
         self.is_chief = is_chief
+        self.max_to_keep = max_to_keep
+        # Only the run's writer moves damaged checkpoints aside; readers leave files alone.
+        self.moves_damaged = is_chief and not read_only
         self.checkpoint = tf.train.Checkpoint(trunk=model.trunk,
                                               trunk_optimizer=optim.trunk.optimizer,
                                               fc=FcState(model, optim, read_shards), step=step,
@@ -143,11 +211,80 @@ class RunCheckpoints:
             json.dump({**config, **self.identity}, f, indent=1, sort_keys=True)
         os.replace(tmp, os.path.join(logdir, CONFIG_FILE))
 
-    def restore_latest(self) -> Optional[str]:
-        latest = self.latest
-        if latest:
-            self.checkpoint.restore(latest).assert_existing_objects_matched()
-        return latest
+    def _listed(self) -> List[str]:
+        """The run's checkpoints named by its `checkpoint` index, newest first."""
+        state = tf.train.get_checkpoint_state(self.directory)
+        if state is None:
+            return []
+        paths = list(state.all_model_checkpoint_paths)
+        if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
+            paths.append(state.model_checkpoint_path)
+        # get_checkpoint_state joins relative names to the directory as given; rejoin alike.
+        paths = [os.path.join(self.directory, os.path.basename(p)) for p in paths]
+        return sorted(set(paths), key=_step_of, reverse=True)
+
+    def _restore(self, path: str) -> None:
+        """Restores `path` after reading it back whole; CheckpointDamaged if it cannot be."""
+        verify_checkpoint(path)
+        try:
+            self.checkpoint.restore(path).assert_existing_objects_matched()
+        except _READ_ERRORS as err:
+            if isinstance(err, CheckpointMismatch):
+                raise
+            raise CheckpointDamaged(f"{path} does not restore ({_reason(err)})") from None
+
+    def restore_latest(self, warn: Callable[[str], None] = _warn) -> Optional[str]:
+        """Restores the newest checkpoint that reads back and restores completely, and returns
+        its path (None: the run has no checkpoint). Newer damaged ones are named in one line
+        each and, by the run's writer, moved aside and dropped from the index. With none
+        readable: NoReadableCheckpoint, and nothing is changed."""
+        candidates = self._listed()
+        damaged: List[Tuple[str, str]] = []
+        for path in candidates:
+            try:
+                self._restore(path)
+            except CheckpointDamaged as err:
+                damaged.append((path, str(err)))
+                continue
+            for bad, why in damaged:
+                if self.moves_damaged:
+                    why += f"; moved to {move_aside(bad)}"
+                warn(f"checkpoint {why}; using {path}")
+            if damaged and self.moves_damaged:
+                self._forget(bad for bad, _ in damaged)
+            return path
+        if damaged:
+            raise NoReadableCheckpoint(
+                f"no checkpoint in {self.directory} can be read: "
+                + "; ".join(why for _, why in damaged)
+                + "; nothing was changed: move them away to start over, or use another --logdir")
+        return None
+
+    def _forget(self, paths) -> None:
+        """Rewrites the `checkpoint` index without `paths`, and rebuilds the manager from it
+        (so that rotation never counts a checkpoint that was moved aside)."""
+        gone = set(paths)
+        state = tf.train.get_checkpoint_state(self.directory)
+        keep = [(p, t) for p, t in zip(state.all_model_checkpoint_paths,
+                                       state.all_model_checkpoint_timestamps or
+                                       [None] * len(state.all_model_checkpoint_paths))
+                if os.path.join(self.directory, os.path.basename(p)) not in gone]
+        names = [os.path.basename(p) for p, _ in keep]
+        stamps = [t for _, t in keep] if all(t is not None for _, t in keep) else None
+        # What CheckpointManager itself writes the index with (the public
+        # tf.compat.v1.train.update_checkpoint_state prints a deprecation warning).
+        checkpoint_management.update_checkpoint_state_internal(
+            self.directory, names[-1], names, save_relative_paths=True,
+            all_model_checkpoint_timestamps=stamps,
+            last_preserved_timestamp=state.last_preserved_timestamp)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory,
+                                                  self.max_to_keep)
+
+    def _verify_written(self, path: str) -> None:
+        """A write callback: runs after the files are written and before the manager names
+        them in the index and rotates old checkpoints out (CheckpointOptions runs the
+        caller's callbacks before the manager's own)."""
+        verify_checkpoint(path)
 
     def save(self, step: int) -> str:
         """Writes ckpt-<step>. Atomic as far as a resume can tell: TF writes the data under a
@@ -155,8 +292,18 @@ class RunCheckpoints:
         (itself written to a temporary file and renamed), so a write killed at any point
         leaves the index naming the previous, complete checkpoint."""
         os.makedirs(self.manager.directory, exist_ok=True)  # a non-chief's may be removed
+        # The chief's checkpoints are read back before they count; a non-chief's copy is
+        # thrown away at once.
+        options = (tf.train.CheckpointOptions(experimental_write_callbacks=[self._verify_written])
+                   if self.is_chief else None)
         try:
-            path = self.manager.save(checkpoint_number=step)
+            path = self.manager.save(checkpoint_number=step, options=options)
+        except CheckpointDamaged as err:
+            previous = self.latest
+            kept = f"{previous} is intact" if previous else "there is no earlier checkpoint"
+            moved = move_aside(os.path.join(self.manager.directory, f"ckpt-{step}"))
+            raise CheckpointWriteError(f"the checkpoint of step {step} was written but {err}: "
+                                       f"moved to {moved}; {kept}") from None
         except (tf.errors.OpError, OSError) as err:
             previous = self.latest
             kept = f"{previous} is intact" if previous else "there is no earlier checkpoint"

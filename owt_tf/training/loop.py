@@ -24,6 +24,7 @@ from owt_tf.parallel.plan import PlanError
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import RunCheckpoints
 from owt_tf.training.optim import build_optimizer
+from owt_tf.training.rundir import RunDirLock
 from owt_tf.training.guard import (Interrupted, NonFiniteError, SignalStop, StepSnapshot,
                                    WorkerLost, first_nonfinite, is_peer_failure)
 from owt_tf.training.summaries import RunSummaries
@@ -62,8 +63,26 @@ def _model_spec(config: RunConfig, num_classes: Optional[int]):
 class Trainer:
     """One run: data, the distributed model, its optimizer and the compiled step."""
 
-    def __init__(self, config: RunConfig, devices: Optional[Sequence[str]] = None):
+    def __init__(self, config: RunConfig, devices: Optional[Sequence[str]] = None,
+                 read_only: bool = False):
+        """`read_only`: only restore and run the model (evaluate, export): no lock, and
+        damaged checkpoints are skipped but not moved aside."""
         self.config = config.validate()
+        self.logdir = config.logdir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        self.read_only = read_only
+        # The run's writer (the chief of a cluster) locks the logdir before anything else,
+        # so a second run on it stops at once; the lock dies with the process.
+        cluster = config.resolved_cluster()
+        writer = not read_only and (cluster is None or cluster.is_chief)
+        self.rundir = RunDirLock.take(self.logdir) if writer else None
+        try:
+            self._build(config, devices)
+        except BaseException:
+            if self.rundir is not None:
+                self.rundir.abandon()
+            raise
+
+    def _build(self, config: RunConfig, devices: Optional[Sequence[str]]) -> None:
         if config.deterministic:
             # Process-wide, and before any kernel is built: ops without a deterministic
             # implementation then raise instead of silently varying.
@@ -93,14 +112,14 @@ class Trainer:
         self.data_position = tf.Variable(0, dtype=tf.int64, trainable=False, name="data_position")
         self.skipped_images = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_images")
         self.skipped_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_nonfinite")
-        self.logdir = config.logdir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
         identity = {"model": config.model, "dataset": config.dataset,
                     "num_classes": self.dataset.num_classes}
         self.checkpoints = RunCheckpoints(
             self.logdir, self.model, self.optimizer, self.step, identity,
             counters={"data_position": self.data_position, "skipped_images": self.skipped_images,
                       "skipped_nonfinite": self.skipped_steps},
-            read_shards=self.model.read_shards, is_chief=self.hybrid.is_chief)
+            read_shards=self.model.read_shards, is_chief=self.hybrid.is_chief,
+            read_only=self.read_only)
         self.checkpoints.check_identity(self.logdir)
         self.resumed_from = self.checkpoints.restore_latest()
         # A checkpoint from another K or scheme carries its own rates; this run's config rules.
