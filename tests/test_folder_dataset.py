@@ -9,7 +9,7 @@ import tensorflow as tf
 from sklearn.datasets import load_digits
 
 from owt_tf.data.datasets import DatasetError, load_dataset
-from owt_tf.data.preprocess import train_augment
+from owt_tf.data.preprocess import augment_train_batch, decode_train_crop
 
 
 def _write_tree(root, per_class=12, val_per_class=4, classes=("five", "one", "zero")):
@@ -48,11 +48,18 @@ def test_folder_layout_labels_and_batches(tmp_path):
 
 def test_augmentation_crops_flips_and_stays_in_range():
     image = tf.constant(np.random.default_rng(1).integers(0, 256, (50, 70, 3)), tf.uint8)
-    a = train_augment(image, (32, 32), tf.constant([1, 2]))
-    b = train_augment(image, (32, 32), tf.constant([1, 3]))
-    assert a.shape == (32, 32, 3)
-    assert float(tf.reduce_min(a)) >= 0 and float(tf.reduce_max(a)) <= 255
-    assert not np.array_equal(a.numpy(), b.numpy())
+    png = tf.io.encode_png(image)
+    crops = [decode_train_crop(png, (32, 32), 3, tf.constant(c)) for c in ([0.0, 0.0], [0.9, 0.9])]
+    assert crops[0].shape == (32, 32, 3) and crops[0].dtype == tf.uint8
+    assert not np.array_equal(crops[0].numpy(), crops[1].numpy())
+    flips = tf.constant([True, False])
+    lighting = tf.constant([[0.1, -0.2, 0.3], [-0.3, 0.2, 0.1]])
+    batch = augment_train_batch(tf.stack(crops), flips, lighting, (0.0,) * 3, (1.0,) * 3)
+    assert batch.dtype == tf.float32
+    assert float(tf.reduce_min(batch)) >= 0 and float(tf.reduce_max(batch)) <= 255
+    unlit = augment_train_batch(tf.stack(crops), flips, tf.zeros([2, 3]), (0.0,) * 3, (1.0,) * 3)
+    np.testing.assert_array_equal(unlit[0].numpy(), crops[0].numpy()[:, ::-1])  # mirrored
+    np.testing.assert_array_equal(unlit[1].numpy(), crops[1].numpy())
 
 
 def test_folder_errors(tmp_path):

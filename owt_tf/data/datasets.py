@@ -27,7 +27,8 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.data import DATASET_NAMES
-from owt_tf.data.preprocess import normalize
+from owt_tf.data.preprocess import (augment_train_batch, decode_train_crop, eval_preprocess,
+                                     normalize, train_draws)
 _SPLIT_SEED = 20140421  # fixed: the validation split never changes with --seed
 
 
@@ -149,9 +150,9 @@ class StreamDataset:
 
     Subclasses provide `_train_records(seed, skip)` (endless, shuffled (record, label) pairs,
     the first `skip` dropped), `_ordered_train_records()` (one pass, stored order),
-    `_decode(record, label)` -> (uint8 image, int32 label), `_val_records()` (one pass), plus
-    num_classes, num_train and name. Records are file
-    names or encoded bytes: nothing skipped is ever decoded."""
+    `_encoded_image(record)` -> the encoded image bytes, `_val_records()` (one pass), plus
+    num_classes, num_train and name. Records are file names or encoded bytes: nothing
+    skipped is ever decoded."""
 
     name: str
     num_classes: int
@@ -175,27 +176,44 @@ class StreamDataset:
     def train(self, global_batch: int, seed: int, start: int = 0) -> tf.data.Dataset:
         """Endless augmented global batches of (images, labels, positions), from stream
         position `start` on. Skipped examples are dropped before they are read or decoded;
-        images that fail to decode are dropped too (gaps in the positions)."""
-        from owt_tf.data.preprocess import train_augment
-
+        images that fail to decode are dropped too (gaps in the positions). Each example
+        decodes only its crop window (JPEG) and is resized to the input size as uint8;
+        flip, lighting and normalisation run once per batch."""
         if self.num_train < global_batch:
             raise DatasetError(f"{self.name}: {self.num_train} training images is fewer than "
                                f"one global batch of {global_batch}")
         self._check_readable()
-        size = self.image_shape[:2]
+        # Each example's augmentation is drawn from the seed and its stream position: repeatable.
         indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(start),
-                                       self._train_records(seed, start)))
+                                       self._train_records(seed, start), train_draws(seed, start)))
+        ds = indexed.map(self._train_crop, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        ds = ds.ignore_errors(log_warning=True).batch(global_batch, drop_remainder=True)
+        return ds.map(self._augment_batch, num_parallel_calls=tf.data.AUTOTUNE,
+                      deterministic=True).prefetch(2)
 
-        def decode_and_augment(position, item):
-            image, label = self._decode(*item)
-            # Each example's augmentation is seeded by its stream position: repeatable.
-            seeds = tf.stack([tf.cast(seed, tf.int32), tf.cast(position, tf.int32)])
-            return (normalize(train_augment(image, size, seeds), self.mean, self.std), label,
-                    position)
+    def _train_crop(self, position, item, draws):
+        """One record -> (uint8 crop of the input size, label, position, flip, lighting)."""
+        record, label = item
+        crop = decode_train_crop(self._encoded_image(record), self.image_shape[:2],
+                                 self.image_shape[-1], draws.corner)
+        return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
 
-        ds = indexed.map(decode_and_augment, num_parallel_calls=tf.data.AUTOTUNE,
-                         deterministic=True).ignore_errors(log_warning=True)
-        return ds.batch(global_batch, drop_remainder=True).prefetch(2)
+    def _augment_batch(self, crops, labels, positions, flips, lighting):
+        return augment_train_batch(crops, flips, lighting, self.mean, self.std), labels, positions
+
+    def _decode(self, record, label):
+        """(record, label) -> (whole uint8 image [H, W, C], int32 label)."""
+        c = self.image_shape[-1]
+        image = tf.io.decode_image(self._encoded_image(record), channels=c,
+                                   expand_animations=False)
+        image.set_shape([None, None, c])
+        return image, tf.cast(label, tf.int32)
+
+    def decoded_train_records(self, seed: int) -> tf.data.Dataset:
+        """The training records in training order, each image decoded whole and nothing else
+        (the benchmark's baseline for the training pipeline)."""
+        return self._train_records(seed, 0).map(self._decode, num_parallel_calls=tf.data.AUTOTUNE,
+                                                deterministic=True)
 
     def _readable(self) -> tf.data.Dataset:
         """One pass over the training records in stored order (no shuffle buffer to fill),
@@ -211,8 +229,6 @@ class StreamDataset:
 
     def validation(self, global_batch: int) -> tf.data.Dataset:
         """One pass, center crops; the last batch is padded with label -1."""
-        from owt_tf.data.preprocess import eval_preprocess
-
         h, w, c = self.image_shape
 
         def center(image, label):
@@ -268,11 +284,8 @@ class FolderDataset(StreamDataset):
             labels += [label] * len(found)
         return np.array(files), np.array(labels, np.int32)
 
-    def _decode(self, path, label):
-        image = tf.io.decode_image(tf.io.read_file(path), channels=self.image_shape[-1],
-                                   expand_animations=False)
-        image.set_shape([None, None, self.image_shape[-1]])
-        return image, label
+    def _encoded_image(self, path):
+        return tf.io.read_file(path)
 
     def _train_records(self, seed: int, skip: int) -> tf.data.Dataset:
         files = tf.data.Dataset.from_tensor_slices((self.train_files, self.train_file_labels))
@@ -337,11 +350,8 @@ class TfdsDataset(StreamDataset):
                                        shuffle_files=shuffle_seed is not None, read_config=read,
                                        decoders={"image": tfds.decode.SkipDecoding()})
 
-    def _decode(self, encoded, label):
-        c = self.image_shape[-1]
-        image = tf.io.decode_image(encoded, channels=c, expand_animations=False)
-        image.set_shape([None, None, c])
-        return image, tf.cast(label, tf.int32)
+    def _encoded_image(self, encoded):
+        return encoded
 
     def _train_records(self, seed: int, skip: int) -> tf.data.Dataset:
         ds = self._encoded("train", seed)
