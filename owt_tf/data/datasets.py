@@ -305,6 +305,8 @@ class TfdsDataset(StreamDataset):
     Nothing is downloaded unless `download=True`: an unprepared dataset is an error at once,
     not after TFDS's network retries."""
 
+    shuffle_block = 10_000  # training records shuffled together (a block is held in memory)
+
     def __init__(self, tfds_name: str, image_shape: Tuple[int, int, int],
                  data_dir: Optional[str] = None, download: bool = False,
                  manual_dir: Optional[str] = None, required_files: Sequence[str] = ()):
@@ -341,24 +343,69 @@ class TfdsDataset(StreamDataset):
         self.num_classes = info.features["label"].num_classes
         self.num_train = info.splits["train"].num_examples
 
-    def _encoded(self, split: str, shuffle_seed: Optional[int]) -> tf.data.Dataset:
-        """(encoded image bytes, label): decoding waits until after any skip."""
+    def _encoded(self, split: str) -> tf.data.Dataset:
+        """(encoded image bytes, label) in stored order: decoding waits until after any skip."""
         import tensorflow_datasets as tfds
 
-        read = tfds.ReadConfig(shuffle_seed=shuffle_seed) if shuffle_seed is not None else None
-        return self.builder.as_dataset(split=split, as_supervised=True,
-                                       shuffle_files=shuffle_seed is not None, read_config=read,
+        return self.builder.as_dataset(split=split, as_supervised=True, shuffle_files=False,
                                        decoders={"image": tfds.decode.SkipDecoding()})
 
     def _encoded_image(self, encoded):
         return encoded
 
     def _train_records(self, seed: int, skip: int) -> tf.data.Dataset:
-        ds = self._encoded("train", seed)
-        return ds.shuffle(min(self.num_train, 10_000), seed=seed).repeat().skip(skip)
+        """Epoch after epoch: the train shards in an order drawn from (seed, epoch), read in
+        turn, and shuffled in consecutive blocks of `shuffle_block` records (each block's
+        order drawn from (seed, its number)). A position's record is computed, not read up
+        to: a resumed stream opens the shard its block starts in, skips inside that shard
+        and the block, and goes on exactly as the uninterrupted stream."""
+        import tensorflow_datasets as tfds
+
+        if self.builder.info.file_format != tfds.core.FileFormat.TFRECORD:
+            raise DatasetError(f"{self.name}: training reads TFRecord shards; this dataset is "
+                               f"stored as {self.builder.info.file_format.value}")
+        shards = self.builder.info.splits["train"].file_instructions
+        files = tf.constant([s.filename for s in shards])
+        first_record = tf.constant([s.skip for s in shards], tf.int64)
+        lengths = tf.constant([s.take for s in shards], tf.int64)
+        block = min(self.num_train, self.shuffle_block)
+        blocks_per_epoch = -(-self.num_train // block)
+        first_epoch, offset = divmod(skip, self.num_train)
+
+        def epoch_blocks(epoch):
+            order = tf.random.experimental.stateless_shuffle(
+                tf.range(len(shards)), seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
+            start = tf.constant(offset // block * block, tf.int64) * tf.cast(
+                tf.equal(epoch, first_epoch), tf.int64)  # the first epoch resumes at its block
+            ends = tf.cumsum(tf.gather(lengths, order))
+            begins = ends - tf.gather(lengths, order)
+            skipped = tf.clip_by_value(start - begins, 0, tf.gather(lengths, order))
+            records = tf.data.Dataset.from_tensor_slices(
+                (tf.gather(files, order), tf.gather(first_record, order) + skipped,
+                 tf.gather(lengths, order) - skipped))
+            records = records.filter(lambda f, first, count: count > 0).flat_map(
+                lambda f, first, count: tf.data.TFRecordDataset(f).skip(first).take(count))
+            numbers = tf.data.Dataset.counter(epoch * blocks_per_epoch + start // block)
+            return tf.data.Dataset.zip((records.batch(block), numbers)).map(shuffled_block)
+
+        def shuffled_block(serialized, number):
+            order = tf.random.experimental.stateless_shuffle(
+                tf.range(tf.shape(serialized)[0]), seed=tf.stack([tf.constant(seed, tf.int64), number]))
+            return tf.gather(serialized, order)
+
+        blocks = tf.data.Dataset.counter(first_epoch).flat_map(epoch_blocks).prefetch(1)
+        serialized = blocks.unbatch().skip(offset % block)
+        return serialized.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+    def _parse(self, serialized):
+        import tensorflow_datasets as tfds
+
+        example = self.builder.info.features.deserialize_example(
+            serialized, decoders={"image": tfds.decode.SkipDecoding()})
+        return example["image"], example["label"]
 
     def _ordered_train_records(self) -> tf.data.Dataset:
-        return self._encoded("train", None)
+        return self._encoded("train")
 
     def _val_records(self) -> tf.data.Dataset:
-        return self._encoded(self.val_split, None)
+        return self._encoded(self.val_split)
