@@ -5,6 +5,8 @@
 MOMENT is where the process dies, without any chance to clean up:
     step          while step STEP runs (a thread kills the process once the step has started)
     serialize     while checkpoint STEP's tensors are being gathered for writing
+    serialized    once checkpoint STEP's tensors are gathered (in a cluster: this worker has
+                  done its part of the gather, and the chief is writing the files)
     index         after checkpoint STEP's data files are written, before the `checkpoint`
                   index file names them
 """
@@ -45,6 +47,16 @@ def main() -> int:
             return real(self)
 
         checkpoint.FcState._serialize_to_tensors = serialize
+    elif moment == "serialized":
+        real = checkpoint.FcState._serialize_to_tensors
+
+        def serialized(self):
+            tensors = real(self)
+            if int(self._optim.trunk.optimizer.iterations.numpy()) == at:
+                _die()
+            return tensors
+
+        checkpoint.FcState._serialize_to_tensors = serialized
     elif moment == "index":
         real_update = checkpoint_management.update_checkpoint_state_internal
 

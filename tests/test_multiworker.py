@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 
+from owt_tf import launch
 from owt_tf.models import build_model
 from owt_tf.parallel import traffic
 from owt_tf.training import summaries
@@ -248,3 +249,107 @@ def test_bad_train_flags_fail_in_the_launcher(tmp_path):
     assert "pid" not in proc.stdout  # nothing was started
     reserved = _launch(tmp_path, "--devices", "3", timeout=300)
     assert reserved.returncode == 2 and "--devices is set by the launcher" in reserved.stderr
+
+
+# -- faults while checkpointing, and a worker that never starts -----------------------------
+
+HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kill_harness.py")
+JOIN_TIMEOUT_S = 20
+
+
+class ManualCluster:
+    """Workers started one by one (not by the launcher), so that one may run under the kill
+    harness or not at all; fresh ports each time."""
+
+    def __init__(self, flags, tmp, workers=WORKERS):
+        self.flags = flags
+        self.tmp = tmp
+        self.addresses = [f"127.0.0.1:{p}" for p in launch.free_ports(workers)]
+
+    def start(self, index, harness=None):
+        env = dict(_env(self.tmp), TF_CONFIG=launch.tf_config(self.addresses, index),
+                   OWT_TF_JOIN_TIMEOUT_S=str(JOIN_TIMEOUT_S))
+        prefix = [HARNESS, *harness, "--"] if harness else ["-m", "owt_tf.train"]
+        return subprocess.Popen([sys.executable, *prefix, *self.flags, "--devices",
+                                 str(PER_WORKER)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _end_times(procs, timeout=300):
+    """Waits for every process; returns {index: (exit code, output, monotonic end time)}."""
+    out = {i: [] for i in procs}
+    readers = [threading.Thread(target=lambda i=i, p=p: out[i].append(p.stdout.read()), daemon=True)
+               for i, p in procs.items()]
+    for r in readers:
+        r.start()
+    ended, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(ended) < len(procs):
+            assert time.monotonic() < deadline, "a worker hung"
+            for i, p in procs.items():
+                if i not in ended and p.poll() is not None:
+                    ended[i] = time.monotonic()
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    for r in readers:
+        r.join(timeout=10)
+    return {i: (p.returncode, "".join(out[i]), ended[i]) for i, p in procs.items()}
+
+
+@pytest.mark.slow
+def test_faults_while_checkpointing_and_a_missing_worker_then_the_same_command_resumes(
+        cluster_runs, tmp_path):
+    """The chief killed mid-save; a worker killed while the chief writes; a worker that
+    never starts. Each ends every process within a bound, the same command resumes, and
+    the run ends equal to one never interrupted."""
+    straight, _, _ = cluster_runs("owt-b")
+    logdir = str(tmp_path / "run")
+    flags = ["--scheme", "owt-b", "--batch-size", str(BATCH), "--lr", str(LR), *COMMON,
+             "--checkpoint-every", "2", "--logdir", logdir]
+
+    # 1. the chief dies after ckpt-4's data is written, before the index names it
+    cluster = ManualCluster(flags, tmp_path)
+    ended = _end_times({0: cluster.start(0, ("index", "4")), 1: cluster.start(1)})
+    (chief, chief_out, chief_end), (worker, worker_out, worker_end) = ended[0], ended[1]
+    assert chief == -signal.SIGKILL, chief_out[-3000:]
+    assert worker == 5, worker_out[-3000:]
+    assert "task /job:worker/task:0 is unreachable or gone" in worker_out
+    assert worker_end - chief_end < 60
+    assert _latest_step(logdir) == 2
+
+    # 2. the same command: worker 1 dies once it has done its part of ckpt-4's gather
+    cluster = ManualCluster(flags, tmp_path)
+    ended = _end_times({0: cluster.start(0), 1: cluster.start(1, ("serialized", "4"))})
+    (chief, chief_out, chief_end), (worker, worker_out, worker_end) = ended[0], ended[1]
+    assert worker == -signal.SIGKILL, worker_out[-3000:]
+    assert "resumed from" in chief_out and chief == 5, chief_out[-3000:]
+    assert "task /job:worker/task:1 is unreachable or gone" in chief_out
+    assert chief_end - worker_end < 60
+    assert _latest_step(logdir) == 4  # the chief finished writing it
+    _tensors(logdir, 4)  # and it reads back
+
+    # 3. worker 1 never starts: the chief gives up within the bound, naming it
+    cluster = ManualCluster(flags, tmp_path)
+    started = time.monotonic()
+    (chief, chief_out, chief_end), = _end_times({0: cluster.start(0)}).values()
+    assert chief == 5, chief_out[-3000:]
+    assert f"task /job:worker/task:1 ({cluster.addresses[1]}) did not start within " \
+           f"{JOIN_TIMEOUT_S} s" in chief_out
+    assert chief_end - started < JOIN_TIMEOUT_S + 30
+    assert _latest_step(logdir) == 4
+
+    # 4. the same command with every worker: resumes at 4 and ends as if never stopped
+    cluster = ManualCluster(flags, tmp_path)
+    ended = _end_times({0: cluster.start(0), 1: cluster.start(1)})
+    assert [ended[i][0] for i in (0, 1)] == [0, 0], ended[0][1][-3000:] + ended[1][1][-3000:]
+    assert f"resumed from {logdir}/checkpoints/ckpt-4 at step 4" in ended[0][1]
+    want, got = _tensors(straight, STEPS), _tensors(logdir, STEPS)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        if want[name].dtype.kind == "f":
+            assert np.max(np.abs(got[name] - want[name])) <= 1e-5 * (np.max(np.abs(want[name])) + 1e-12), name
+        else:
+            assert np.array_equal(got[name], want[name]), name

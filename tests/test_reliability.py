@@ -4,7 +4,9 @@ Training runs here are real `python -m owt_tf.train` processes (tests/kill_harne
 one at a chosen moment with SIGKILL); final weights are compared tensor by tensor from the
 checkpoints the runs leave behind.
 """
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,11 +52,17 @@ def _assert_bit_identical(a, b):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted_run(tmp_path_factory):
+    """A run of RUN never stopped: its logdir (checkpoints 6, 9 and 12 kept)."""
     logdir = str(tmp_path_factory.mktemp("straight") / "run")
     proc = _train(*RUN, "--logdir", logdir)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return _tensors(logdir, STEPS)
+    return logdir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    return _tensors(uninterrupted_run, STEPS)
 
 
 @pytest.mark.parametrize("moment,at", [("step", 7), ("serialize", 6), ("index", 9)])
@@ -261,3 +269,232 @@ def test_failed_checkpoint_write_is_reported_and_the_previous_one_kept(tmp_path)
     assert not os.path.exists(os.path.join(logdir, "checkpoints", "ckpt-6_temp"))
     assert tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints")).endswith("ckpt-4")
     _assert_bit_identical(_tensors(logdir, 4), before)
+
+
+# -- one writer per run directory ----------------------------------------------------------
+
+HOLD_LOCK = """
+import sys, time
+from owt_tf.training.rundir import RunDirLock
+RunDirLock.take(sys.argv[1])
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def _snapshot(root):
+    """Every file under `root` with its size and modification time."""
+    found = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            st = os.stat(os.path.join(folder, name))
+            found[os.path.relpath(os.path.join(folder, name), root)] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+def _errors(proc, prog="owt_tf.train"):
+    return [l for l in proc.stderr.splitlines() if f"{prog}: error" in l]
+
+
+@pytest.mark.slow
+def test_locked_logdir_is_refused_at_once_and_a_killed_holder_leaves_no_lock(
+        uninterrupted_run, tmp_path):
+    logdir = str(tmp_path / "run")
+    shutil.copytree(uninterrupted_run, logdir)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, logdir], stdout=subprocess.PIPE,
+                              text=True, env=_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = _snapshot(logdir)
+        started = time.monotonic()
+        proc = _train(*RUN, "--steps", str(STEPS + 1), "--logdir", logdir)
+        took = time.monotonic() - started
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = _errors(proc)
+        assert len(errors) == 1, proc.stderr[-3000:]
+        assert f"--logdir {logdir} is being written by another run (pid {holder.pid} on host " \
+               f"{os.uname().nodename}, started " in errors[0]
+        assert "Traceback" not in proc.stderr
+        assert _snapshot(logdir) == before  # nothing written, not even the lock file
+        # readers take no lock
+        ev = subprocess.run([sys.executable, "-m", "owt_tf.evaluate", "--logdir", logdir],
+                            capture_output=True, text=True, env=_env(), timeout=300)
+        assert ev.returncode == 0 and f"checkpoint {logdir}/checkpoints/ckpt-{STEPS}" in ev.stdout, \
+            ev.stderr[-3000:]
+        assert _snapshot(logdir) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    # SIGKILLed: the kernel dropped its lock; the same command runs
+    assert took < 60
+    proc = _train(*RUN, "--steps", str(STEPS + 1), "--logdir", logdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {logdir}/checkpoints/ckpt-{STEPS}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_same_command_started_twice_has_one_writer(tmp_path):
+    logdir = str(tmp_path / "run")
+    command = [sys.executable, "-m", "owt_tf.train", "--steps", "3", "--eval-every", "0",
+               "--checkpoint-every", "1", "--logdir", logdir]
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env()) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], [err[-2000:] for _, err in outs]
+    winner = next(p for p in procs if p.returncode == 0)
+    loser = next(i for i, p in enumerate(procs) if p.returncode == 2)
+    assert f"(pid {winner.pid} on host" in outs[loser][1]
+    events = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+    assert len(events) == 1 and f".{winner.pid}." in os.path.basename(events[0])
+
+
+# -- damaged checkpoints ---------------------------------------------------------------------
+
+def _data_file(path):
+    files = glob.glob(path + ".data-*")
+    assert len(files) == 1, files
+    return files[0]
+
+
+def _truncate(path):
+    data = _data_file(path)
+    os.truncate(data, os.path.getsize(data) // 2)
+
+
+def _flip_a_byte(path):
+    data = _data_file(path)
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x55]))
+
+
+def _remove_the_shard(path):
+    os.remove(_data_file(path))
+
+
+def _garble_the_index(path):
+    with open(path + ".index", "r+b") as f:
+        f.write(b"\0garbage" * 16)
+
+
+DAMAGE = {"truncated": _truncate, "bit-flipped": _flip_a_byte, "missing shard": _remove_the_shard,
+          "unreadable index": _garble_the_index}
+
+
+def _files_of(path):
+    return {os.path.basename(f): open(f, "rb").read() for f in glob.glob(path + ".*")
+            if not os.path.isdir(f)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_latest_checkpoint_falls_back_moves_it_aside_and_ends_equal(
+        uninterrupted_run, uninterrupted, tmp_path, damage):
+    """ckpt-12 damaged: the same command resumes from ckpt-9, says so in one line, keeps the
+    damaged files aside, and ends bit-identical to the run never damaged."""
+    logdir = str(tmp_path / "run")
+    shutil.copytree(uninterrupted_run, logdir)
+    directory = os.path.join(logdir, "checkpoints")
+    bad = os.path.join(directory, f"ckpt-{STEPS}")
+    DAMAGE[damage](bad)
+    damaged_files = _files_of(bad)
+    proc = _train(*RUN, "--logdir", logdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [l for l in proc.stderr.splitlines() if l.startswith("warning: checkpoint")]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert warnings[0].startswith(f"warning: checkpoint {bad} ")
+    assert f"moved to {bad}.damaged; using {directory}/ckpt-9" in warnings[0]
+    assert f"resumed from {directory}/ckpt-9 at step 9" in proc.stdout
+    # never deleted: the damaged files as they were, aside
+    assert {name: open(os.path.join(bad + ".damaged", name), "rb").read()
+            for name in os.listdir(bad + ".damaged")} == damaged_files
+    _assert_bit_identical(_tensors(logdir, STEPS), uninterrupted)
+    state = tf.train.get_checkpoint_state(directory)
+    assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == \
+        ["ckpt-6", "ckpt-9", f"ckpt-{STEPS}"]
+
+
+@pytest.mark.slow
+def test_no_readable_checkpoint_stops_and_changes_nothing_evaluate_and_export_skip(
+        uninterrupted_run, tmp_path):
+    logdir = str(tmp_path / "run")
+    shutil.copytree(uninterrupted_run, logdir)
+    directory = os.path.join(logdir, "checkpoints")
+    # the newest damaged: evaluate and export use ckpt-9 and move nothing
+    _flip_a_byte(os.path.join(directory, f"ckpt-{STEPS}"))
+    before = _snapshot(logdir)
+    ev = subprocess.run([sys.executable, "-m", "owt_tf.evaluate", "--logdir", logdir],
+                        capture_output=True, text=True, env=_env(), timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert f"checkpoint {directory}/ckpt-9" in ev.stdout
+    assert f"warning: checkpoint {directory}/ckpt-{STEPS} cannot be read back" in ev.stderr
+    assert "Checksum" in ev.stderr or "checksum" in ev.stderr
+    out = str(tmp_path / "model")
+    ex = subprocess.run([sys.executable, "-m", "owt_tf.export", "--logdir", logdir, "--out", out],
+                        capture_output=True, text=True, env=_env(), timeout=300)
+    assert ex.returncode == 0, ex.stderr[-3000:]
+    assert f"exported {directory}/ckpt-9 to " in ex.stdout
+    assert _snapshot(logdir) == before
+    # every checkpoint damaged: train, evaluate and export stop in one line, exit 2
+    for step in (6, 9):
+        _truncate(os.path.join(directory, f"ckpt-{step}"))
+    before = _snapshot(logdir)
+    runs = {"owt_tf.train": _train(*RUN, "--logdir", logdir),
+            "owt_tf.evaluate": subprocess.run(
+                [sys.executable, "-m", "owt_tf.evaluate", "--logdir", logdir],
+                capture_output=True, text=True, env=_env(), timeout=300)}
+    for prog, proc in runs.items():
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = _errors(proc, prog)
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert f"no checkpoint in {directory} can be read" in errors[0]
+        for step in (6, 9, STEPS):
+            assert f"ckpt-{step} cannot be read back" in errors[0]
+    assert _snapshot(logdir) == before
+
+
+def test_a_save_that_wrote_garbage_never_costs_the_last_good_checkpoint(devices, tmp_path,
+                                                                       monkeypatch):
+    """A write that 'succeeds' but stores garbage: read back before the index names it and
+    before older checkpoints are rotated out (3 kept: ckpt-1 would go)."""
+    from owt_tf.config import RunConfig
+    from owt_tf.training.checkpoint import CheckpointWriteError
+    from owt_tf.training.loop import Trainer
+
+    config = RunConfig(devices=2, batch_size=8, steps=4, eval_every=0,
+                       logdir=str(tmp_path / "run"))
+    trainer = Trainer(config, devices=devices[:2])
+    ckpts = trainer.checkpoints
+    for step in (1, 2, 3):
+        trainer.train_step()
+        ckpts.save(step)
+    directory = ckpts.directory
+    kept = {step: _files_of(os.path.join(directory, f"ckpt-{step}")) for step in (1, 2, 3)}
+    saver = ckpts.checkpoint._saver
+    real_save = saver.save
+
+    def save_garbage(*args, **kwargs):
+        written = real_save(*args, **kwargs)
+        path = written if isinstance(written, str) else written.numpy().decode()
+        _flip_a_byte(path)
+        return written
+
+    monkeypatch.setattr(saver, "save", save_garbage)
+    trainer.train_step()
+    with pytest.raises(CheckpointWriteError, match=r"the checkpoint of step 4 was written but .*"
+                       r"ckpt-4 cannot be read back \(.*moved to .*ckpt-4.damaged; .*ckpt-3 is intact"):
+        ckpts.save(4)
+    assert ckpts.latest == os.path.join(directory, "ckpt-3")
+    for step, files in kept.items():
+        assert _files_of(os.path.join(directory, f"ckpt-{step}")) == files
+    assert [n for n in os.listdir(directory) if n.startswith("ckpt-4")] == ["ckpt-4.damaged"]
+    assert sorted(os.listdir(os.path.join(directory, "ckpt-4.damaged"))) == \
+        ["ckpt-4.data-00000-of-00001", "ckpt-4.index"]
+    # the next good save counts again
+    monkeypatch.setattr(saver, "save", real_save)
+    assert ckpts.save(4) == os.path.join(directory, "ckpt-4")
+    assert ckpts.latest.endswith("ckpt-4") and not os.path.exists(
+        os.path.join(directory, "ckpt-1.index"))

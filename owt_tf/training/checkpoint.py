@@ -72,7 +72,7 @@ _READ_ERRORS = (tf.errors.OpError, IndexError, ValueError, OSError)
 
 def _reason(err: BaseException) -> str:
     text = _op_error_text(err) if isinstance(err, tf.errors.OpError) else str(err)
-    return (text.splitlines() or [type(err).__name__])[0][:200]
+    return (text.splitlines() or [type(err).__name__])[0][:400]
 
 
 def verify_checkpoint(path: str) -> None:

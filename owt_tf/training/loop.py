@@ -251,12 +251,15 @@ class Trainer:
         steps = steps or config.total_steps(self.dataset.num_train)
         first = int(self.step) + 1
         chief = self.hybrid.is_chief  # in a cluster only the chief writes files
+        if chief and self.rundir is None and not self.read_only:  # a second fit() of this Trainer
+            self.rundir = RunDirLock.take(self.logdir)
         if chief:
             self.checkpoints.write_identity(self.logdir, dataclasses.asdict(config))
         if self.resumed_from:
             log(f"resumed from {self.resumed_from} at step {first - 1}")
         if first > steps:
             log(f"nothing to do: the run in {self.logdir} is already at step {first - 1}")
+            self._release_rundir()
             return {"steps": first - 1}
         summaries = RunSummaries(self.logdir if chief else None, config.profile_range())
         summaries.config(dataclasses.asdict(config))
@@ -287,6 +290,7 @@ class Trainer:
                 self._stop = None
                 summaries.close()
                 self.checkpoints.close()
+                self._release_rundir()
         steady = [m.images_per_sec for m in history[1:]] or [history[0].images_per_sec]
         summary = {"steps": steps, "train_loss": history[-1].loss, "val_loss": ev.loss,
                    "val_top1_error": ev.top1_error, "val_top5_error": ev.top5_error,
@@ -304,6 +308,13 @@ class Trainer:
             f"{summary['images_per_sec']:.0f} img/s | "
             f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/worker | checkpoint {saved}")
         return summary
+
+    def _release_rundir(self) -> None:
+        """Gives up the logdir's lock once fit() has written everything (another Trainer of
+        this process, or another process, may then take it)."""
+        if self.rundir is not None:
+            self.rundir.release()
+            self.rundir = None
 
     def _export(self, log) -> None:
         """--export-dir: the chief writes the SavedModel (the others join its gather of the
