@@ -498,3 +498,23 @@ def test_a_save_that_wrote_garbage_never_costs_the_last_good_checkpoint(devices,
     assert ckpts.save(4) == os.path.join(directory, "ckpt-4")
     assert ckpts.latest.endswith("ckpt-4") and not os.path.exists(
         os.path.join(directory, "ckpt-1.index"))
+
+
+def test_unreadable_checkpoint_index_is_rebuilt_from_the_files_not_started_over(
+        uninterrupted_run, tmp_path):
+    """TF reads a garbled `checkpoint` index as "no checkpoint" (and would start over, then
+    overwrite ckpt-N): the run moves it aside and resumes from the newest file instead."""
+    logdir = str(tmp_path / "run")
+    shutil.copytree(uninterrupted_run, logdir)
+    index = os.path.join(logdir, "checkpoints", "checkpoint")
+    with open(index, "w") as f:
+        f.write("garbage {{{\n")
+    proc = _train(*RUN, "--logdir", logdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"warning: the checkpoint index {index} is unreadable: moved to {index}.damaged" \
+        in proc.stderr
+    assert f"resumed from {logdir}/checkpoints/ckpt-{STEPS} at step {STEPS}" in proc.stdout
+    assert open(index + ".damaged").read() == "garbage {{{\n"
+    state = tf.train.get_checkpoint_state(os.path.dirname(index))
+    assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == \
+        ["ckpt-6", "ckpt-9", f"ckpt-{STEPS}"]

@@ -194,7 +194,7 @@ class RunCheckpoints:
     def check_identity(self, logdir: str) -> None:
         """Refuses a logdir whose checkpoints come from another model or class count."""
         path = os.path.join(logdir, CONFIG_FILE)
-        if not os.path.exists(path) or self.latest is None:
+        if not os.path.exists(path) or not self._listed()[0]:
             return
         with open(path) as f:
             saved = json.load(f)
@@ -211,17 +211,25 @@ class RunCheckpoints:
             json.dump({**config, **self.identity}, f, indent=1, sort_keys=True)
         os.replace(tmp, os.path.join(logdir, CONFIG_FILE))
 
-    def _listed(self) -> List[str]:
-        """The run's checkpoints named by its `checkpoint` index, newest first."""
+    def _listed(self) -> Tuple[List[str], bool]:
+        """The run's checkpoints, newest first, and whether the `checkpoint` index named them
+        (False: the index is missing or unreadable, and these are the files on disk)."""
         state = tf.train.get_checkpoint_state(self.directory)
-        if state is None:
-            return []
+        if state is None:  # also when TF cannot parse the index: it logs and returns None
+            return self._on_disk(), False
         paths = list(state.all_model_checkpoint_paths)
         if state.model_checkpoint_path and state.model_checkpoint_path not in paths:
             paths.append(state.model_checkpoint_path)
         # get_checkpoint_state joins relative names to the directory as given; rejoin alike.
         paths = [os.path.join(self.directory, os.path.basename(p)) for p in paths]
-        return sorted(set(paths), key=_step_of, reverse=True)
+        return sorted(set(paths), key=_step_of, reverse=True), True
+
+    def _on_disk(self) -> List[str]:
+        """Every ckpt-N with an .index file in the checkpoint directory, newest first."""
+        indexes = glob.glob(os.path.join(glob.escape(self.directory), "ckpt-*.index"))
+        paths = [p[:-len(".index")] for p in indexes
+                 if re.fullmatch(r"ckpt-\d+\.index", os.path.basename(p))]
+        return sorted(paths, key=_step_of, reverse=True)
 
     def _restore(self, path: str) -> None:
         """Restores `path` after reading it back whole; CheckpointDamaged if it cannot be."""
@@ -238,7 +246,7 @@ class RunCheckpoints:
         its path (None: the run has no checkpoint). Newer damaged ones are named in one line
         each and, by the run's writer, moved aside and dropped from the index. With none
         readable: NoReadableCheckpoint, and nothing is changed."""
-        candidates = self._listed()
+        candidates, indexed = self._listed()
         damaged: List[Tuple[str, str]] = []
         for path in candidates:
             try:
@@ -250,7 +258,9 @@ class RunCheckpoints:
                 if self.moves_damaged:
                     why += f"; moved to {move_aside(bad)}"
                 warn(f"checkpoint {why}; using {path}")
-            if damaged and self.moves_damaged:
+            if not indexed:
+                self._recover_index(path, candidates, warn)
+            elif damaged and self.moves_damaged:
                 self._forget(bad for bad, _ in damaged)
             return path
         if damaged:
@@ -260,23 +270,49 @@ class RunCheckpoints:
                 + "; nothing was changed: move them away to start over, or use another --logdir")
         return None
 
+    def _recover_index(self, latest: str, candidates: List[str], warn) -> None:
+        """The `checkpoint` index was missing or unreadable while checkpoints exist (TF would
+        start over and overwrite them): the writer moves the unreadable file aside and writes
+        a new index naming the checkpoints up to `latest`."""
+        index = os.path.join(self.directory, "checkpoint")
+        how = "unreadable" if os.path.exists(index) else "missing"
+        if not self.moves_damaged:
+            warn(f"the checkpoint index {index} is {how}; using {latest}")
+            return
+        moved = ""
+        if os.path.exists(index):
+            os.replace(index, index + ".damaged")
+            moved = f"moved to {index}.damaged, "
+        kept = [os.path.basename(p) for p in reversed(candidates)
+                if _step_of(p) <= _step_of(latest) and os.path.exists(p + ".index")]
+        self._write_index(kept[-self.max_to_keep:])
+        warn(f"the checkpoint index {index} is {how}: {moved}rewritten from the files on disk; "
+             f"using {latest}")
+
     def _forget(self, paths) -> None:
-        """Rewrites the `checkpoint` index without `paths`, and rebuilds the manager from it
-        (so that rotation never counts a checkpoint that was moved aside)."""
-        gone = set(paths)
+        """Rewrites the `checkpoint` index without `paths` (moved aside)."""
+        gone = {os.path.basename(p) for p in paths}
         state = tf.train.get_checkpoint_state(self.directory)
-        keep = [(p, t) for p, t in zip(state.all_model_checkpoint_paths,
-                                       state.all_model_checkpoint_timestamps or
-                                       [None] * len(state.all_model_checkpoint_paths))
-                if os.path.join(self.directory, os.path.basename(p)) not in gone]
-        names = [os.path.basename(p) for p, _ in keep]
-        stamps = [t for _, t in keep] if all(t is not None for _, t in keep) else None
+        names = [os.path.basename(p) for p in state.all_model_checkpoint_paths]
+        stamps = list(state.all_model_checkpoint_timestamps)
+        kept = [i for i, name in enumerate(names) if name not in gone]
+        self._write_index([names[i] for i in kept],
+                          [stamps[i] for i in kept] if len(stamps) == len(names) else None,
+                          state.last_preserved_timestamp)
+
+    def _write_index(self, names: List[str], stamps: Optional[List[float]] = None,
+                     last_preserved: Optional[float] = None) -> None:
+        """Writes the `checkpoint` index naming `names` (oldest first; the last is the latest),
+        and rebuilds the manager from it, so that rotation never counts a checkpoint that was
+        moved aside."""
+        if stamps is None:  # the manager keeps only checkpoints that have a timestamp
+            stamps = [os.path.getmtime(os.path.join(self.directory, name + ".index"))
+                      for name in names]
         # What CheckpointManager itself writes the index with (the public
         # tf.compat.v1.train.update_checkpoint_state prints a deprecation warning).
         checkpoint_management.update_checkpoint_state_internal(
             self.directory, names[-1], names, save_relative_paths=True,
-            all_model_checkpoint_timestamps=stamps,
-            last_preserved_timestamp=state.last_preserved_timestamp)
+            all_model_checkpoint_timestamps=stamps, last_preserved_timestamp=last_preserved)
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory,
                                                   self.max_to_keep)
 
