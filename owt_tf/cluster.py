@@ -15,17 +15,20 @@ chief writes checkpoints and TensorBoard files.
 A task that never starts: TensorFlow's cluster registration would wait for it for its own
 default timeout, silently. `watch_peers_start` bounds that wait (OWT_TF_JOIN_TIMEOUT_S,
 default 120 s): every task's gRPC server listens as soon as the task builds its strategy,
-so a peer address that accepts no connection by then names the missing task.
+so a peer address that accepts no connection by then names the missing task, and the
+waiting worker is ended.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import signal
 import socket
-import threading
+import subprocess
+import sys
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 TASK_TYPES = ("chief", "worker")
 JOIN_TIMEOUT_ENV = "OWT_TF_JOIN_TIMEOUT_S"
@@ -97,36 +100,43 @@ def _listening(address: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def missing_peers(cluster: Cluster, timeout_s: float, poll_s: float = 0.5) -> List[Tuple[str, str]]:
-    """Waits up to `timeout_s` for every other task's address to accept a connection;
-    returns the (task, address) of those that never did."""
-    waiting = cluster.peers()
-    deadline = time.monotonic() + timeout_s
-    while waiting:
-        waiting = [(task, address) for task, address in waiting if not _listening(address)]
-        if not waiting or time.monotonic() >= deadline:
+def watch_peers_start(cluster: Cluster, timeout_s: float, prefix: str = "") -> subprocess.Popen:
+    """Starts a watcher process that ends this one (one line on stderr, then SIGKILL) when
+    some task of the cluster has not started within `timeout_s`; the watcher exits quietly
+    once every task listens, or when this process ends.
+
+    A process, not a thread: TensorFlow blocks in cluster registration inside a call that
+    holds the GIL (no other Python thread runs; measured), and the process ignores SIGTERM
+    meanwhile, so only SIGKILL ends it. Nothing is written before registration."""
+    job = json.dumps({"parent": os.getpid(), "timeout_s": timeout_s, "peers": cluster.peers(),
+                      "prefix": prefix})
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from owt_tf.cluster import _watch; _watch(sys.argv[1])",
+         job], stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=path))
+
+
+def _watch(job_json: str) -> None:
+    """The watcher process of `watch_peers_start`."""
+    job = json.loads(job_json)
+    parent, peers = job["parent"], [tuple(p) for p in job["peers"]]
+    deadline = time.monotonic() + job["timeout_s"]
+    while peers:
+        if os.getppid() != parent:  # the worker ended (we were re-parented)
+            return
+        peers = [(task, address) for task, address in peers if not _listening(address)]
+        if not peers:
+            return
+        if time.monotonic() >= deadline:
             break
-        time.sleep(poll_s)
-    return waiting
-
-
-def watch_peers_start(cluster: Cluster, timeout_s: float,
-                      give_up: Callable[[str], None]) -> threading.Thread:
-    """Calls `give_up(message)` from a daemon thread when some task of the cluster has not
-    started within `timeout_s`; the thread ends quietly once every task listens. (The
-    main thread may be blocked inside TensorFlow's registration then, so `give_up` must end
-    the process itself.)"""
-    def watch():
-        missing = missing_peers(cluster, timeout_s)
-        if missing:
-            names = ", ".join(f"{task} ({address})" for task, address in missing)
-            give_up(f"{'task' if len(missing) == 1 else 'tasks'} {names} did not start within "
-                    f"{timeout_s:g} s (nothing accepts connections there; the bound is "
-                    f"{JOIN_TIMEOUT_ENV}); start every worker with the same command")
-
-    thread = threading.Thread(target=watch, name="owt_tf-cluster-start", daemon=True)
-    thread.start()
-    return thread
+        time.sleep(0.5)
+    names = ", ".join(f"{task} ({address})" for task, address in peers)
+    print(f"{job['prefix']}{'task' if len(peers) == 1 else 'tasks'} {names} did not start "
+          f"within {job['timeout_s']:g} s (nothing accepts connections there; the bound is "
+          f"{JOIN_TIMEOUT_ENV}); stopped this worker; start every worker with the same "
+          "command", file=sys.stderr, flush=True)
+    os.kill(parent, signal.SIGKILL)
 
 
 def parse_cluster_flags(cluster: str, task_index: Optional[int]) -> Cluster:

@@ -172,24 +172,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def watch_cluster_start(config: RunConfig) -> None:
-    """In a cluster: ends this worker (exit 5, one line naming the missing tasks) when some
-    task of the cluster has not started within the join bound, instead of waiting on
-    TensorFlow's cluster registration for its default timeout."""
+    """In a cluster: a watcher process ends this worker (one line naming the missing tasks,
+    then SIGKILL) when some task has not started within the join bound, instead of waiting
+    on TensorFlow's cluster registration for its default timeout."""
     from owt_tf.cluster import join_timeout_s, watch_peers_start
 
     cluster = config.resolved_cluster()
-    if cluster is None:
-        return
-
-    def give_up(message: str) -> None:
-        print(f"python -m owt_tf.train: error: {message}", file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        # From the watcher thread while the main thread may be blocked in TF's registration
-        # (which ignores SIGTERM): nothing was written yet, so end without any teardown.
-        os._exit(EXIT_WORKER_LOST)
-
-    watch_peers_start(cluster, join_timeout_s(), give_up)
+    if cluster is not None:
+        watch_peers_start(cluster, join_timeout_s(), prefix="python -m owt_tf.train: error: ")
 
 
 def exit_worker(code: int) -> None:
