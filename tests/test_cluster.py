@@ -73,3 +73,46 @@ def test_launcher_flags_and_addresses():
     addresses = [f"127.0.0.1:{p}" for p in ports]
     parsed = parse_tf_config(launch.tf_config(addresses, 3))
     assert parsed.worker_id == 3 and parsed.task_name_of(3) == "/job:worker/task:3"
+
+
+def test_join_bound_from_the_environment():
+    from owt_tf.cluster import DEFAULT_JOIN_TIMEOUT_S, join_timeout_s
+
+    assert join_timeout_s({}) == DEFAULT_JOIN_TIMEOUT_S
+    assert join_timeout_s({"OWT_TF_JOIN_TIMEOUT_S": "7.5"}) == 7.5
+    for bad in ("soon", "0", "-3"):
+        with pytest.raises(ClusterError, match="OWT_TF_JOIN_TIMEOUT_S"):
+            join_timeout_s({"OWT_TF_JOIN_TIMEOUT_S": bad})
+
+
+WAITING_WORKER = """
+import sys, time
+from owt_tf.cluster import resolve_cluster, watch_peers_start
+watch_peers_start(resolve_cluster(sys.argv[1], 0), 3.0, prefix="error: ")
+time.sleep(60)  # as a worker blocked in TensorFlow's cluster registration
+"""
+
+
+def test_a_task_that_never_starts_ends_the_waiting_worker_naming_only_it():
+    """Task 1 listens (started), task 2 does not: after the bound, one line naming task 2,
+    and the waiting worker is SIGKILLed (TF's registration would ignore SIGTERM)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as started, socket.socket() as never:
+        started.bind(("127.0.0.1", 0))
+        started.listen()
+        never.bind(("127.0.0.1", 0))  # bound, never listening: connections refused
+        addresses = ["127.0.0.1:1", *(f"127.0.0.1:{s.getsockname()[1]}" for s in (started, never))]
+        begun = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", WAITING_WORKER, ",".join(addresses)],
+                              capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - begun
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: task /job:worker/task:2 ({addresses[2]}) did not start within 3 s"), lines
+    assert 3 <= took < 30
