@@ -305,7 +305,8 @@ class TfdsDataset(StreamDataset):
     Nothing is downloaded unless `download=True`: an unprepared dataset is an error at once,
     not after TFDS's network retries."""
 
-    shuffle_block = 10_000  # training records shuffled together (a block is held in memory)
+    # Training records shuffled together; a block is held in memory and the next read ahead.
+    shuffle_block = 10_000
 
     def __init__(self, tfds_name: str, image_shape: Tuple[int, int, int],
                  data_dir: Optional[str] = None, download: bool = False,
@@ -393,6 +394,7 @@ class TfdsDataset(StreamDataset):
                 tf.range(tf.shape(serialized)[0]), seed=tf.stack([tf.constant(seed, tf.int64), number]))
             return tf.gather(serialized, order)
 
+        # prefetch: the next block is read while this one is used, not when it runs out.
         blocks = tf.data.Dataset.counter(first_epoch).flat_map(epoch_blocks).prefetch(1)
         serialized = blocks.unbatch().skip(offset % block)
         return serialized.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

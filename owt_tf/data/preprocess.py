@@ -102,9 +102,9 @@ def decode_train_crop(encoded: tf.Tensor, size: Tuple[int, int], channels: int,
     `size`, uint8 [h, w, C].
 
     A complete JPEG has only its crop window decoded (tf.image.decode_and_crop_jpeg, the
-    window computed from the header's shape); any other image (PNG, BMP, GIF, a JPEG without
-    its end marker) is decoded whole and then cropped, so a truncated JPEG fails to decode
-    and is skipped as before instead of yielding a crop of its readable part."""
+    window computed from the header's shape); any other image (PNG, BMP, GIF, a JPEG that
+    does not end with its end marker) is decoded whole and then cropped, so a truncated JPEG
+    fails to decode and is skipped as before instead of yielding a crop of its readable part."""
     whole_jpeg = tf.logical_and(tf.io.is_jpeg(encoded),
                                 tf.equal(tf.strings.substr(encoded, -2, 2), b"\xff\xd9"))
 
