@@ -256,14 +256,14 @@ def run_input_bench(args) -> List[InputRecord]:
     from owt_tf.models import build_model
 
     side = args.image_size or build_model(args.model, args.classes).input_shape[0]
+    global_batch = args.batch_size * max(args.devices)
     try:
         data = load_dataset(args.input, (side, side, 3), data_dir=args.data_dir)
+        if not isinstance(data, StreamDataset):
+            raise DatasetError(f"{args.input!r} is held in memory; time folder:PATH or tfds:NAME")
+        training = data.train(global_batch, seed=0)
     except DatasetError as err:
         raise ConfigError("--input", str(err)) from None
-    if not isinstance(data, StreamDataset):
-        raise ConfigError("--input", f"{args.input!r} is held in memory; time folder:PATH or tfds:NAME")
-    global_batch = args.batch_size * max(args.devices)
-    training = data.train(global_batch, seed=0)
     # Only the shape leaves the map, so the batches are as cheap to move as the training ones.
     bare = data.decoded_train_records(seed=0).map(lambda image, label: tf.shape(image))
     bare = bare.batch(global_batch, drop_remainder=True).prefetch(2)
