@@ -107,7 +107,7 @@ def watch_peers_start(cluster: Cluster, timeout_s: float, prefix: str = "") -> s
 
     A process, not a thread: TensorFlow blocks in cluster registration inside a call that
     holds the GIL (no other Python thread runs; measured), and the process ignores SIGTERM
-    meanwhile, so only SIGKILL ends it. Nothing is written before registration."""
+    meanwhile, so only SIGKILL ends it. Nothing but the logdir lock is written before then."""
     job = json.dumps({"parent": os.getpid(), "timeout_s": timeout_s, "peers": cluster.peers(),
                       "prefix": prefix})
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -266,9 +266,9 @@ class ManualCluster:
         self.tmp = tmp
         self.addresses = [f"127.0.0.1:{p}" for p in launch.free_ports(workers)]
 
-    def start(self, index, harness=None):
+    def start(self, index, harness=None, join_timeout_s=120):
         env = dict(_env(self.tmp), TF_CONFIG=launch.tf_config(self.addresses, index),
-                   OWT_TF_JOIN_TIMEOUT_S=str(JOIN_TIMEOUT_S))
+                   OWT_TF_JOIN_TIMEOUT_S=str(join_timeout_s))
         prefix = [HARNESS, *harness, "--"] if harness else ["-m", "owt_tf.train"]
         return subprocess.Popen([sys.executable, *prefix, *self.flags, "--devices",
                                  str(PER_WORKER)], stdout=subprocess.PIPE,
@@ -334,7 +334,8 @@ def test_faults_while_checkpointing_and_a_missing_worker_then_the_same_command_r
     # 3. worker 1 never starts: the chief gives up within the bound, naming it
     cluster = ManualCluster(flags, tmp_path)
     started = time.monotonic()
-    (chief, chief_out, chief_end), = _end_times({0: cluster.start(0)}).values()
+    (chief, chief_out, chief_end), = _end_times(
+        {0: cluster.start(0, join_timeout_s=JOIN_TIMEOUT_S)}).values()
     # ended by its watcher: TF's registration holds the GIL and ignores SIGTERM
     assert chief == -signal.SIGKILL, chief_out[-3000:]
     assert f"owt_tf.train: error: task /job:worker/task:1 ({cluster.addresses[1]}) did not " \
