@@ -1,4 +1,4 @@
-"""Creates 8 logical CPU devices once per test session (before any TensorFlow op runs)."""
+"""Creates 16 logical CPU devices once per test session (before any TensorFlow op runs)."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -7,7 +7,7 @@ import pytest  # noqa: E402
 
 from owt_tf.devices import setup_devices  # noqa: E402
 
-NUM_TEST_DEVICES = 8
+NUM_TEST_DEVICES = 16
 DEVICES = setup_devices(NUM_TEST_DEVICES)
 
 

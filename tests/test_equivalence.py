@@ -74,6 +74,22 @@ def _check_against_reference(devices, model, scheme, k, batch, fc_batch, fc_exch
     assert predicted.bytes_per_step == float(ledger.total)
 
 
+# K=16: past TF's all-to-all key collision at K >= 12 (collectives.all_to_all_keys_collide),
+# one step, one small batch per scheme.
+K16_CASES = [("owt-a", 16, 2, "global", "gather", "gathered"),
+             ("owt-b", 16, 2, "worker", "gather", "gathered"),
+             ("owt-c", 16, 16, "global", "colrow", "sharded")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,k,batch,fc_batch,fc_exchange,loss", K16_CASES,
+                         ids=[_id(c) for c in K16_CASES])
+def test_sixteen_replicas_match_single_device_reference(devices, scheme, k, batch, fc_batch,
+                                                        fc_exchange, loss):
+    _check_against_reference(devices, "alexnet_tiny", scheme, k, batch, fc_batch, fc_exchange, loss,
+                             steps=1)
+
+
 JIT_CASES = [("owt-a", 2, "global", "gather"), ("owt-b", 4, "worker", "colrow"), ("data", 2, "global", "gather")]
 
 

@@ -1,7 +1,8 @@
 """Every collective op the engine issues, with its gradient, and the one ledger of bytes moved.
 
-Each wrapper issues a tf.distribute collective in replica context and, while a
-`TrafficLedger` is recording, adds the bytes one worker sends for it (it receives as many:
+Each wrapper issues one of the strategy's collective ops in replica context, through the
+strategy's own per-replica launcher (its group, instance keys and ordering token), and,
+while a `TrafficLedger` is recording, adds the bytes one worker sends for it (it receives as many:
 all of these collectives are symmetric). Costs follow the ring algorithms that
 CollectiveAllReduce (CPU) and NCCL (GPU) use, as docs/paper.md counts them:
 
@@ -9,19 +10,24 @@ CollectiveAllReduce (CPU) and NCCL (GPU) use, as docs/paper.md counts them:
     all-reduce of a tensor of T bytes:                      2 (K-1)/K * T
     reduce-scatter of a tensor of T bytes:                  (K-1)/K * T
 
+except that this module's reduce-scatter is an all-reduce from K = 12 on
+(engine_reduce_scatter_cost, _reduce_scatter_counted).
+
 Shapes are static, so the ledger is filled once, while a step function is traced; the
 backward collectives are counted as their gradient functions are traced. Only each
 process's first replica records: the count is per worker (replica), the same for all.
 
-The wrappers define their own gradients with tf.custom_gradient so that the backward
-collective is issued (and counted) here too; ReplicaContext.all_gather's built-in gradient
-would hide it. The raw collective_ops.all_gather has no gradient at all
-(tensorflow/tensorflow#53517), which is why the ReplicaContext methods are used.
+The raw collective ops have no gradient (tensorflow/tensorflow#53517): the wrappers define
+their own with tf.custom_gradient, so that the backward collective is issued (and counted)
+here too. ReplicaContext's methods are not used in a step: each all-gather costs two
+launches and O(K) ops there, each all-reduce a merge_call that stops every replica thread
+(_all_gather_counted, _all_reduce_sum_counted).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from fractions import Fraction
 from typing import Dict, Iterator, Optional
 
@@ -47,6 +53,28 @@ def all_reduce_cost(total_bytes: int, k: int) -> Fraction:
 
 def reduce_scatter_cost(total_bytes: int, k: int) -> Fraction:
     return Fraction((k - 1) * total_bytes, k)
+
+
+def engine_reduce_scatter_cost(total_bytes: int, k: int) -> Fraction:
+    """What this module's reduce-scatter sends per worker: an all-to-all's (K-1)/K * T, or
+    where TF's all-to-all cannot run (all_to_all_keys_collide), the all-reduce it falls back to."""
+    if all_to_all_keys_collide(k):
+        return all_reduce_cost(total_bytes, k)
+    return reduce_scatter_cost(total_bytes, k)
+
+
+@functools.lru_cache(maxsize=None)
+def all_to_all_keys_collide(k: int) -> bool:
+    """Whether TF's all-to-all over K replicas gives two of its blocks the same rendezvous key.
+
+    TF names the block that replica i sends to replica j `exec_key + str(i) + str(j)`, with no
+    separator (tensorflow/core/common_runtime/all_to_all.cc, AllToAll::DispatchSend; TF 2.21).
+    From K = 12 on, two blocks share a key ((1, 10) and (11, 0) are both "110"): the op fails
+    with "Second consumer arrived for key ..." or "BufRendezvous::ProvideBuf already called",
+    or could hand a block to the wrong replica.
+    """
+    keys = {f"{i}{j}" for i in range(k) for j in range(k)}
+    return len(keys) < k * k
 
 
 def tensor_bytes(x) -> int:
@@ -140,18 +168,34 @@ def replica_id() -> int:
 
 
 def _all_reduce_sum_counted(x: tf.Tensor, purpose: str) -> tf.Tensor:
-    ctx = _ctx()
-    record(purpose, "all_reduce", all_reduce_cost(tensor_bytes(x), ctx.num_replicas_in_sync))
-    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)
+    """Sum of every replica's `x`: one CollectiveReduceV2 through the strategy's launcher.
+
+    ReplicaContext.all_reduce goes through merge_call: every call stops all K replica
+    threads until the last arrives, which dominates tracing when a step issues hundreds.
+    """
+    record(purpose, "all_reduce", all_reduce_cost(tensor_bytes(x), num_replicas()))
+    return _launcher().all_reduce(x)
 
 
 def _all_gather_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
-    ctx = _ctx()
-    k = ctx.num_replicas_in_sync
+    """Every replica's `x` (the same static shape everywhere), concatenated along `axis`.
+
+    One CollectiveGatherV2 through the strategy's launcher. ReplicaContext.all_gather allows
+    uneven blocks, and pays for it: a second gather of every replica's shape, a pad, and K
+    slices and a concat per call (tensorflow/python/distribute/cross_device_utils.py,
+    CollectiveReplicaLauncher.all_gather): twice the launches, and O(K) ops per gather on
+    every replica, so O(K^3) ops per scheme (b) step (46k graph nodes and 38 s of tracing at
+    K = 8; minutes at K = 16).
+    """
+    k = num_replicas()
     record(purpose, "all_gather", all_gather_cost(tensor_bytes(x), k))
-    gathered = ctx.all_gather(x, axis=axis)
-    # The strategy's gather allows uneven blocks and so loses the static size of `axis`;
-    # every block here is the same size, and later byte counts need the static shape.
+    rank = len(x.shape)
+    to_front = [axis] + [i for i in range(rank) if i != axis]
+    launcher = _launcher()
+    gathered = launcher._all_gather(  # pylint: disable=protected-access
+        tf.transpose(x, to_front) if axis else x, None)
+    if axis:
+        gathered = tf.transpose(gathered, [to_front.index(i) for i in range(rank)])
     shape = x.shape.as_list()
     shape[axis] *= k
     gathered.set_shape(shape)
@@ -177,13 +221,21 @@ def _reduce_scatter_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
     CollectiveReduceScatterV2 has only an NCCL kernel (tensorflow/tensorflow#59101; on CPU:
     "CollectiveRegistry::Lookup did not find collective implementation"), and ReplicaContext
     has no reduce-scatter, so: an all-to-all that sends block j to replica j, then a local
-    sum. Per worker that sends (K-1)/K of x, as a ring reduce-scatter does.
+    sum. Per worker that sends (K-1)/K of x, as a ring reduce-scatter does. Where TF's
+    all-to-all cannot run (K >= 12, all_to_all_keys_collide), an all-reduce and this
+    replica's block of it: correct at twice the bytes, and counted as such.
     """
+    k = num_replicas()
+    record(purpose, "reduce_scatter", engine_reduce_scatter_cost(tensor_bytes(x), k))
+    if all_to_all_keys_collide(k):
+        return tf.split(_launcher().all_reduce(x), k, axis=axis)[replica_id()]
+    return tf.reduce_sum(_all_to_all_blocks(tf.stack(tf.split(x, k, axis=axis), axis=0)), axis=0)
+
+
+def _all_to_all_blocks(blocks: tf.Tensor) -> tf.Tensor:
+    """Sends blocks[j] to replica j; returns [K, ...block]: row i is what replica i sent here."""
     from tensorflow.python.ops import collective_ops  # the strategy's own collective layer
 
-    k = num_replicas()
-    record(purpose, "reduce_scatter", reduce_scatter_cost(tensor_bytes(x), k))
-    blocks = tf.stack(tf.split(x, k, axis=axis), axis=0)  # [K, ...block]
     launcher = _launcher()
     with tf.device(launcher._device):  # pylint: disable=protected-access
         exchanged = collective_ops.all_to_all_v2(
@@ -191,7 +243,7 @@ def _reduce_scatter_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
             launcher._next_instance_key(),  # pylint: disable=protected-access
             ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
     exchanged.set_shape(blocks.shape)
-    return tf.reduce_sum(exchanged, axis=0)
+    return exchanged
 
 
 def all_gather(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:

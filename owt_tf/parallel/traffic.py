@@ -39,7 +39,7 @@ class NetworkShape:
 
 _gather = coll.all_gather_cost
 _reduce = coll.all_reduce_cost
-_scatter = coll.reduce_scatter_cost
+_scatter = coll.engine_reduce_scatter_cost  # an all-reduce from K = 12 on (TF's all-to-all)
 
 
 @dataclasses.dataclass(frozen=True)
