@@ -58,8 +58,12 @@ class RunConfig:
     loss: str = "gathered"
     steps: int = 600
     epochs: Optional[float] = None  # when set, overrides steps
-    lr: float = 0.01  # base rate for one worker's batch; scaled per layer kind
-    conv_lr_scaling: str = "linear"
+    # The rate for a batch of lr_batch examples. Each layer kind's rate follows the batch it
+    # averages its gradient over (conv: the global batch; FC: fc_batch_size), by lr_scaling:
+    # the same global batch gives the same rates at any K, so a run resumes at another K.
+    lr: float = 0.04
+    lr_batch: int = 128  # the paper's batch
+    lr_scaling: str = "linear"
     lr_schedule: str = "constant"
     lr_decay_epochs: str = "30,60,80"  # 'step' schedule: rates / 10 at these epochs
     warmup_epochs: float = 0.0
@@ -115,12 +119,13 @@ class RunConfig:
 
     @property
     def conv_lr(self) -> float:
-        return self.lr * lr_scale(self.conv_lr_scaling, self.num_replicas)
+        """The trunk's rate: --lr scaled from --lr-batch to the global batch."""
+        return self.lr * lr_scale(self.lr_scaling, self.global_batch_size / self.lr_batch)
 
     @property
     def fc_lr(self) -> float:
-        # The FC rate follows the FC layers' own batch: unscaled when they keep B.
-        return self.lr * lr_scale(self.conv_lr_scaling, self.fc_batch_size // self.batch_size)
+        """The FC layers' rate: --lr scaled from --lr-batch to the FC layers' own batch."""
+        return self.lr * lr_scale(self.lr_scaling, self.fc_batch_size / self.lr_batch)
 
     def parallel_plan(self) -> ParallelPlan:
         """The run's ParallelPlan (its rules are checked here and by the strategy)."""
@@ -130,7 +135,7 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         """Raises ConfigError for the first invalid field; returns self when all is well."""
         self.parallel_plan()
-        _choice("--conv-lr-scaling", self.conv_lr_scaling, LR_SCALINGS)
+        _choice("--lr-scaling", self.lr_scaling, LR_SCALINGS)
         _choice("--lr-schedule", self.lr_schedule, LR_SCHEDULES)
         self.decay_epochs()
         if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
@@ -158,6 +163,7 @@ class RunConfig:
             raise ConfigError("--dataset", f"{self.dataset}: no such directory")
         _positive_int("--devices", self.devices)
         _positive_int("--batch-size", self.batch_size)
+        _positive_int("--lr-batch", self.lr_batch)
         _positive_int("--steps", self.steps)
         plan, k = self.parallel_plan(), self.num_replicas
         with _as_flag_error():
@@ -246,11 +252,12 @@ PRESETS = {
     # The no-flag run: RunConfig's own defaults.
     "demo": {},
     # Krizhevsky 2014 / cuda-convnet2: 128 per worker, FC batch 128 (K FC updates per conv
-    # update), conv rate scaled by K, momentum 0.9, weight decay 5e-4, 90 epochs, rates / 10
-    # at epochs 30, 60 and 80.
+    # update), 0.01 for a batch of 128: the conv rate (batch 128K) scaled by K, the FC rate
+    # (batch 128) unscaled; momentum 0.9, weight decay 5e-4, 90 epochs, rates / 10 at
+    # epochs 30, 60 and 80.
     "imagenet-paper": dict(model="alexnet", dataset="imagenet2012", batch_size=128,
-                           scheme="owt-b", fc_batch="worker", conv_lr_scaling="linear",
-                           lr=0.01, momentum=0.9, weight_decay=5e-4, dropout=0.5, epochs=90.0,
+                           scheme="owt-b", fc_batch="worker", lr_scaling="linear",
+                           lr=0.01, lr_batch=128, momentum=0.9, weight_decay=5e-4, dropout=0.5, epochs=90.0,
                            lr_schedule="step", lr_decay_epochs="30,60,80", eval_every=5000,
                            checkpoint_every=5000, log_every=100, histogram_every=5000),
 }
@@ -268,15 +275,16 @@ def lr_factor(config: RunConfig, step: int, steps_per_epoch: float, total_steps:
     return factor
 
 
-def lr_scale(rule: str, k: int) -> float:
-    """How much a learning rate grows when the batch grows k-fold (docs/paper.md, 'Batch sizes and learning rates')."""
+def lr_scale(rule: str, batch_ratio: float) -> float:
+    """How much a learning rate grows when the batch grows `batch_ratio`-fold (docs/paper.md,
+    'Batch sizes and learning rates')."""
     if rule == "linear":
-        return float(k)
+        return float(batch_ratio)
     if rule == "sqrt":
-        return math.sqrt(k)
+        return math.sqrt(batch_ratio)
     if rule == "none":
         return 1.0
-    raise ConfigError("--conv-lr-scaling", f"unknown rule {rule!r}; allowed: {', '.join(LR_SCALINGS)}")
+    raise ConfigError("--lr-scaling", f"unknown rule {rule!r}; allowed: {', '.join(LR_SCALINGS)}")
 
 
 def _check_writable(flag: str, path: str) -> None:

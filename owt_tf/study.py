@@ -74,8 +74,8 @@ def run_config(args: argparse.Namespace, cell: StudyConfig, seed: int, logdir: s
         model=args.model, dataset=args.dataset, data_dir=args.data_dir, manual_dir=args.manual_dir,
         devices=cell.devices, scheme=cell.scheme,
         fc_batch=cell.fc_rule if cell.devices > 1 else "global",
-        batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
-        conv_lr_scaling=cell.scaling, momentum=0.9, weight_decay=5e-4, dropout=args.dropout,
+        batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, lr_batch=args.batch_size,
+        lr_scaling=cell.scaling, momentum=0.9, weight_decay=5e-4, dropout=args.dropout,
         seed=seed, eval_every=eval_every, logdir=logdir, checkpoint_every=0,
         log_every=10, histogram_every=0, jit=False)
 

@@ -36,8 +36,10 @@ HELP = {
     "lr_schedule": "constant, step (rates / 10 at --lr-decay-epochs, AlexNet) or cosine",
     "lr_decay_epochs": "comma-separated epochs for the step schedule",
     "warmup_epochs": "linear learning-rate warm-up over this many epochs",
-    "lr": "base learning rate for one worker's batch; conv and FC rates are scaled from it",
-    "conv_lr_scaling": "how the rate grows with the batch: linear, sqrt or none",
+    "lr": "learning rate for a batch of --lr-batch examples; the conv rate is scaled from it "
+          "to the global batch, the FC rate to the FC layers' own batch",
+    "lr_batch": "the batch --lr is the rate for (the same global batch: the same rates at any K)",
+    "lr_scaling": "how a rate grows with its batch: linear, sqrt or none",
     "momentum": "SGD momentum",
     "weight_decay": "L2 weight decay (AlexNet's coupled form)",
     "dropout": "dropout rate after fc6 and fc7",
@@ -61,7 +63,7 @@ HELP = {
     "task_index": "this worker's place in --cluster (0 is the chief)",
 }
 CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
-           "loss": LOSS_MODES, "conv_lr_scaling": LR_SCALINGS}
+           "loss": LOSS_MODES, "lr_scaling": LR_SCALINGS}
 
 
 # Exit codes: 0 done, 2 bad flags or input (nothing written), 3 non-finite loss or gradient,

@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+import tensorflow as tf
 
 from owt_tf.config import RunConfig
 from owt_tf.training.loop import Trainer
@@ -38,7 +40,7 @@ def test_resume_equals_training_in_one_go(devices, tmp_path):
 
 def test_saved_at_four_devices_resumes_at_two(devices, tmp_path):
     """FC shards and momenta are saved whole and re-split; fc_batch=global, same global batch."""
-    common = dict(fc_batch="global", conv_lr_scaling="none", dropout=0.0, eval_every=0,
+    common = dict(fc_batch="global", lr=0.01, lr_scaling="none", dropout=0.0, eval_every=0,
                   checkpoint_every=0, seed=4, steps=8)
     k4 = RunConfig(scheme="owt-a", devices=4, batch_size=4, **common)
     never_stopped = _fit(devices, k4.replace(logdir=str(tmp_path / "k4")), 8)
@@ -48,6 +50,38 @@ def test_saved_at_four_devices_resumes_at_two(devices, tmp_path):
                                      **common), 8)
     assert at_two.resumed_from.endswith("ckpt-4")
     _assert_same_weights(at_two.model.full_weights(), never_stopped.model.full_weights())
+
+
+def _cli_train(*flags):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.train", *map(str, flags)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _checkpoint_tensors(logdir, step):
+    reader = tf.train.load_checkpoint(os.path.join(logdir, "checkpoints", f"ckpt-{step}"))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith(("save_counter", "_CHECKPOINTABLE_OBJECT_GRAPH"))}
+
+
+@pytest.mark.slow
+def test_resumed_at_another_k_with_the_same_global_batch_keeps_its_rates(tmp_path):
+    """Through the CLI with the default --lr and linear scaling: 3 steps at K=4 (B=8), then 3
+    at K=2 (B=16) equal 6 steps at K=4: the rates follow the global batch (32), not K."""
+    common = ["--dropout", 0, "--eval-every", 0, "--checkpoint-every", 0, "--histogram-every", 0,
+              "--seed", 3]
+    whole, moved = tmp_path / "whole", tmp_path / "moved"
+    _cli_train(*common, "--devices", 4, "--batch-size", 8, "--steps", 6, "--logdir", whole)
+    _cli_train(*common, "--devices", 4, "--batch-size", 8, "--steps", 3, "--logdir", moved)
+    _cli_train(*common, "--devices", 2, "--batch-size", 16, "--steps", 6, "--logdir", moved)
+    want, got = _checkpoint_tensors(whole, 6), _checkpoint_tensors(moved, 6)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        if want[name].dtype.kind == "f":
+            assert rel_err(got[name], want[name]) < 1e-5, name
+        else:
+            assert (got[name] == want[name]).all(), name
 
 
 def test_logdir_of_another_model_is_refused_and_kept(devices, tmp_path):

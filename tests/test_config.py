@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from owt_tf.config import ConfigError, RunConfig
+from owt_tf.config import PRESETS, ConfigError, RunConfig
 
 BAD = [
     (dict(scheme="owt-d"), "--scheme"),
@@ -18,7 +18,8 @@ BAD = [
     (dict(scheme="data", fc_batch="worker"), "--fc-batch"),
     (dict(scheme="single", devices=2), "--devices"),
     (dict(fc_exchange="ring"), "--fc-exchange"),
-    (dict(conv_lr_scaling="cubic"), "--conv-lr-scaling"),
+    (dict(lr_scaling="cubic"), "--lr-scaling"),
+    (dict(lr_batch=0), "--lr-batch"),
     (dict(lr=float("nan")), "--lr"),
     (dict(momentum=1.0), "--momentum"),
     (dict(dropout=1.0), "--dropout"),
@@ -50,14 +51,27 @@ def test_fc_width_not_divisible_by_devices():
     RunConfig(devices=4, scheme="owt-b").validate()  # 10 classes over 4: padded, allowed
 
 
-def test_learning_rates_follow_the_scaling_rules():
-    c = RunConfig(lr=0.01, devices=4, scheme="owt-b", conv_lr_scaling="linear")
+def test_learning_rates_follow_the_batch():
+    c = RunConfig(lr=0.01, lr_batch=32, batch_size=32, devices=4, scheme="owt-b", lr_scaling="linear")
     assert c.conv_lr == pytest.approx(0.04) and c.fc_lr == pytest.approx(0.04)
-    w = c.replace(fc_batch="worker")  # the paper's (128K, 128): FC rate unscaled
+    w = c.replace(fc_batch="worker")  # FC batch 32: the rate for 32
     assert w.conv_lr == pytest.approx(0.04) and w.fc_lr == pytest.approx(0.01)
-    s = c.replace(conv_lr_scaling="sqrt")
+    s = c.replace(lr_scaling="sqrt")
     assert s.conv_lr == pytest.approx(0.02)
-    assert c.replace(conv_lr_scaling="none").conv_lr == pytest.approx(0.01)
+    assert c.replace(lr_scaling="none").conv_lr == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("devices,batch_size", [(1, 64), (2, 32), (4, 16), (8, 8)])
+def test_the_same_global_batch_gives_the_same_rates_at_any_k(devices, batch_size):
+    c = RunConfig(lr=0.04, lr_batch=128, devices=devices, batch_size=batch_size, fc_batch="global")
+    assert c.conv_lr == pytest.approx(0.02) and c.fc_lr == pytest.approx(0.02)
+
+
+def test_the_paper_preset_keeps_the_papers_rates():
+    # 0.01 for 128 per worker: conv rate x K on the 128K batch, FC rate 0.01 on its 128
+    for k in (1, 2, 8):
+        c = RunConfig(**PRESETS["imagenet-paper"]).replace(devices=k)
+        assert c.conv_lr == pytest.approx(0.01 * k) and c.fc_lr == pytest.approx(0.01)
 
 
 def _cli(*args, cwd):

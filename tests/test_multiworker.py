@@ -71,12 +71,12 @@ def _scalar(logdir, tag):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process, one device, the same global batch of K * B and the same rates (the
-    K-device runs scale the base rate linearly by K)."""
+    """One process, one device, the same global batch of K * B: the same rates, since the
+    rates follow the global batch, not K."""
     logdir = str(tmp_path_factory.mktemp("single") / "run")
     proc = subprocess.run(
         [sys.executable, "-m", "owt_tf.train", "--scheme", "single", "--devices", "1",
-         "--batch-size", str(K * BATCH), "--lr", str(LR * K), *COMMON, "--logdir", logdir],
+         "--batch-size", str(K * BATCH), "--lr", str(LR), *COMMON, "--logdir", logdir],
         capture_output=True, text=True, env=_env(tmp_path_factory.mktemp("tmp")), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _tensors(logdir, STEPS)
@@ -94,11 +94,11 @@ def cluster_runs(tmp_path_factory):
             tmp = base / "tmp"
             tmp.mkdir()
             logdir = str(base / "run")
-            # The reference's global batch and rates at every K: B = global / K, and the base
-            # rate that linear scaling by K turns into the reference's.
+            # The reference's global batch at every K (B = global / K), and the same --lr:
+            # the rates follow the global batch.
             k = workers * per_worker
             proc = _launch(tmp, "--scheme", scheme, "--batch-size", str(K * BATCH // k),
-                           "--lr", str(LR * K / k),
+                           "--lr", str(LR),
                            *COMMON, "--checkpoint-every", "2", "--logdir", logdir,
                            "--export-dir", str(base / "model"), workers=workers,
                            per_worker=per_worker)

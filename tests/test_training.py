@@ -17,7 +17,7 @@ LAYOUTS = [("data", 2), ("owt-a", 4), ("owt-b", 2), ("owt-c", 4), ("owt-b", 4)]
 
 def _weights_after(devices, scheme, k, logdir, steps=4):
     config = RunConfig(scheme=scheme, devices=k, batch_size=GLOBAL_BATCH // k, fc_batch="global",
-                       conv_lr_scaling="none", dropout=0.0, lr=0.02, seed=5, steps=steps,
+                       lr_scaling="none", dropout=0.0, lr=0.02, seed=5, steps=steps,
                        eval_every=0, logdir=str(logdir))
     trainer = Trainer(config, devices=devices[:k])
     losses = [trainer.train_step().loss for _ in range(steps)]
