@@ -56,16 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = OneLineParser(prog="python -m owt_tf.bench", description=__doc__,
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="alexnet_tiny")
+    p.add_argument("--model", default="alexnet_tiny", help="alexnet, alexnet_tiny, vgg16 or vgg_tiny")
     p.add_argument("--devices", default="4", help="comma-separated K values, e.g. 1,2,4,8")
-    p.add_argument("--schemes", default="single,data,owt-a,owt-b,owt-c")
+    p.add_argument("--schemes", default="single,data,owt-a,owt-b,owt-c",
+                   help="comma-separated schemes to measure side by side")
     p.add_argument("--batch-size", type=int, default=32, help="examples per worker (B)")
-    p.add_argument("--image-size", type=int, default=None, help="input side (default: the model's)")
-    p.add_argument("--classes", type=int, default=1000)
-    p.add_argument("--fc-batch", default="global", choices=("global", "worker"))
-    p.add_argument("--fc-exchange", default="gather", choices=("gather", "colrow"))
-    p.add_argument("--loss", default="gathered", choices=("gathered", "sharded"))
-    p.add_argument("--jit", default="off", choices=("off", "on", "both"))
+    p.add_argument("--image-size", type=int, default=None, help="input side (none: the model's)")
+    p.add_argument("--classes", type=int, default=1000, help="classes of the last FC layer")
+    p.add_argument("--fc-batch", default="global", choices=("global", "worker"),
+                   help="as train's --fc-batch (owt-b, owt-c)")
+    p.add_argument("--fc-exchange", default="gather", choices=("gather", "colrow"),
+                   help="as train's --fc-exchange")
+    p.add_argument("--loss", default="gathered", choices=("gathered", "sharded"),
+                   help="as train's --loss")
+    p.add_argument("--jit", default="off", choices=("off", "on", "both"),
+                   help="XLA-compile the trunk: off, on, or both side by side")
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
     p.add_argument("--count-only", action="store_true", help="trace only: report bytes, no timing")
