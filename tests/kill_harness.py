@@ -21,6 +21,11 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+# The checkout this file is in, before an installed owt_tf: `python tests/kill_harness.py`
+# puts tests/ first on sys.path, so another checkout's editable install would win.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def main() -> int:
     moment, at = sys.argv[1], int(sys.argv[2])
     flags = sys.argv[sys.argv.index("--") + 1:]
