@@ -16,6 +16,10 @@ from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, SCHE
 
 LR_SCALINGS = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "step", "cosine")
+# --augment: AlexNet's crop + flip + PCA lighting; the random crop alone (no mirror images:
+# digits and text are not symmetric); none (training sees the eval view); auto picks per
+# dataset (owt_tf.data.datasets.default_augmentation).
+AUGMENTATIONS = ("auto", "alexnet", "crop", "none")
 
 
 _PLAN_FLAGS = {"scheme": "--scheme", "fc_batch": "--fc-batch", "fc_exchange": "--fc-exchange",
@@ -50,6 +54,9 @@ class RunConfig:
     data_dir: Optional[str] = None
     manual_dir: Optional[str] = None
     download: bool = False
+    # Training augmentation of a streamed dataset: auto picks from its images (alexnet for
+    # ImageNet-sized ones, crop for small ones); digits and synthetic are never augmented.
+    augment: str = "auto"
     devices: int = 2
     scheme: str = "owt-b"
     batch_size: int = 32  # per worker, as in the paper (128 per GPU there)
@@ -161,6 +168,10 @@ class RunConfig:
             _choice("--dataset", self.dataset, DATASET_NAMES + ("folder:PATH", "tfds:NAME"))
         elif not os.path.isdir(self.dataset[len("folder:"):]):
             raise ConfigError("--dataset", f"{self.dataset}: no such directory")
+        _choice("--augment", self.augment, AUGMENTATIONS)
+        if self.dataset in ("digits", "synthetic") and self.augment not in ("auto", "none"):
+            raise ConfigError("--augment", f"{self.dataset} is held in memory and never "
+                              "augmented; use a folder:, tfds: or imagenet2012 dataset")
         _positive_int("--devices", self.devices)
         _positive_int("--batch-size", self.batch_size)
         _positive_int("--lr-batch", self.lr_batch)

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import List, Optional
 
-from owt_tf.config import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS,
+from owt_tf.config import (AUGMENTATIONS, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS,
                            LR_SCHEDULES, PRESETS, SCHEMES, ConfigError, RunConfig)
 
 HELP = {
@@ -22,6 +22,10 @@ HELP = {
     "dataset": "digits (embedded default), imagenet2012 (with --manual-dir), folder:PATH (PATH/train/<label>/*, PATH/validation/"
                "<label>/*), tfds:NAME (a TFDS dataset prepared in --data-dir) or synthetic",
     "data_dir": "where prepared TFDS datasets live",
+    "augment": "training augmentation of a streamed dataset: alexnet (shorter side to "
+               "256/224 of the input, random crop, flip, PCA lighting), crop (the random crop "
+               "only), none (the eval view), or auto: alexnet for ImageNet-sized images, crop "
+               "for smaller ones",
     "download": "let TFDS download and prepare a tfds:NAME dataset that is not prepared yet",
     "manual_dir": "imagenet2012: the folder holding ILSVRC2012_img_train.tar and _val.tar",
     "devices": "devices per process (GPUs, else logical CPU devices); K = this x the cluster's "
@@ -63,7 +67,8 @@ HELP = {
     "task_index": "this worker's place in --cluster (0 is the chief)",
 }
 CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
-           "loss": LOSS_MODES, "lr_scaling": LR_SCALINGS}
+           "loss": LOSS_MODES, "lr_scaling": LR_SCALINGS,
+           "augment": AUGMENTATIONS}
 
 
 # Exit codes: 0 done, 2 bad flags or input (nothing written), 3 non-finite loss or gradient,

@@ -93,3 +93,123 @@ def test_resumed_stream_starts_at_the_right_batch(tmp_path):
     resumed = [x.numpy() for x, _, _ in ds.train(6, seed=3, start=2 * 6).take(2)]
     np.testing.assert_array_equal(resumed[0], from_start[2])
     np.testing.assert_array_equal(resumed[1], from_start[3])
+
+
+def _write_sized_tree(root, side, per_class=8, val_per_class=2, image=None):
+    """Three classes of random RGB PNGs of side x side (or every one `image`); returns the
+    uint8 training images by file path."""
+    rng = np.random.default_rng(7)
+    written = {}
+    for split, count in (("train", per_class), ("validation", val_per_class)):
+        for name in ("a", "b", "c"):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = image if image is not None else rng.integers(0, 256, (side, side, 3),
+                                                                      dtype=np.uint8)
+                path = folder / f"{i}.png"
+                tf.io.write_file(str(path), tf.io.encode_png(pixels))
+                if split == "train":
+                    written[str(path)] = pixels
+    return written
+
+
+def test_augment_none_trains_on_the_plain_normalised_images(tmp_path):
+    """Images of the model's size: each training row is one training image, (x - mean) / std
+    with the dataset's own statistics, computed here in numpy, and nothing else."""
+    from owt_tf.data.stats import settle_normalisation
+
+    images = _write_sized_tree(tmp_path / "d", 32)
+    ds = load_dataset(f"folder:{tmp_path / 'd'}", (32, 32, 3), augment="none")
+    stats = settle_normalisation(ds, str(tmp_path / "run"), started_before=False, writer=True)
+    pixels = np.stack(list(images.values())).astype(np.float64)
+    mean, std = pixels.mean(axis=(0, 1, 2)), pixels.std(axis=(0, 1, 2))
+    np.testing.assert_allclose(stats["mean"], mean, rtol=1e-9)
+    np.testing.assert_allclose(stats["std"], std, rtol=1e-9)
+    batch, labels, _ = next(iter(ds.train(12, seed=0)))
+    wanted = (pixels - mean) / std
+    for row, label in zip(batch.numpy(), labels.numpy()):
+        distance = np.abs(wanted - row).max(axis=(1, 2, 3))
+        match = int(np.argmin(distance))
+        assert distance[match] < 1e-4
+        assert os.path.basename(os.path.dirname(list(images)[match])) == ds.class_names[label]
+
+
+def test_statistics_are_stored_with_the_run_and_reused(tmp_path):
+    """Sample statistics of upscaled small images, stored in the run directory; a later
+    reader takes the stored ones, and a run started before statistics existed keeps ImageNet's."""
+    import json
+
+    from owt_tf.data.preprocess import eval_pixels
+    from owt_tf.data.stats import STATS_FILE, settle_normalisation
+
+    images = _write_sized_tree(tmp_path / "d", 8)
+    ds = load_dataset(f"folder:{tmp_path / 'd'}", (32, 32, 3))
+    settle_normalisation(ds, str(tmp_path / "run"), started_before=False, writer=True)
+    stored = json.loads((tmp_path / "run" / STATS_FILE).read_text())
+    views = eval_pixels(tf.constant(np.stack(list(images.values()))), (32, 32)).numpy()
+    views = views.astype(np.float64)
+    np.testing.assert_allclose(stored["mean"], views.mean(axis=(0, 1, 2)), rtol=1e-6)
+    np.testing.assert_allclose(stored["std"], views.std(axis=(0, 1, 2)), rtol=1e-5)
+    assert stored["images"] == 24 and stored["augment"] == "crop"
+    assert ds.mean == tuple(stored["mean"]) and ds.std == tuple(stored["std"])
+    again = load_dataset(f"folder:{tmp_path / 'd'}", (32, 32, 3))
+    (tmp_path / "run" / STATS_FILE).write_text(json.dumps({**stored, "mean": [1.0, 2.0, 3.0]}))
+    settle_normalisation(again, str(tmp_path / "run"), started_before=False, writer=False)
+    assert again.mean == (1.0, 2.0, 3.0)
+    old = load_dataset(f"folder:{tmp_path / 'd'}", (32, 32, 3))
+    settle_normalisation(old, str(tmp_path / "old"), started_before=True, writer=False)
+    assert old.mean == (123.68, 116.78, 103.94)
+
+
+def test_small_images_default_to_crops_without_mirror_images(tmp_path):
+    """Every image a left-to-right ramp: under the small-image default no training row is
+    mirrored (all rise left to right); AlexNet's augmentation mirrors about half."""
+    ramp = np.broadcast_to(np.linspace(0, 255, 8).astype(np.uint8)[None, :, None], (8, 8, 3))
+    _write_sized_tree(tmp_path / "small", 8, image=np.ascontiguousarray(ramp))
+    big = tmp_path / "big"
+    wide = np.broadcast_to(np.linspace(0, 255, 48).astype(np.uint8)[None, :, None], (48, 48, 3))
+    _write_sized_tree(big, 48, image=np.ascontiguousarray(wide))
+    small = load_dataset(f"folder:{tmp_path / 'small'}", (32, 32, 3))
+    assert small.augment == "crop"
+    assert load_dataset(f"folder:{big}", (32, 32, 3)).augment == "alexnet"
+
+    def rising(ds):
+        x = next(iter(ds.train(24, seed=0)))[0].numpy()
+        return x[:, :, -4:].mean(axis=(1, 2, 3)) > x[:, :, :4].mean(axis=(1, 2, 3))
+
+    assert rising(small).all()
+    mirrored = load_dataset(f"folder:{tmp_path / 'small'}", (32, 32, 3), augment="alexnet")
+    assert 0 < (~rising(mirrored)).sum() < 24
+
+
+def test_export_of_a_folder_run_normalises_with_the_runs_statistics(tmp_path):
+    """The SavedModel's probabilities equal the trained model's on inputs normalised by hand
+    with the statistics stored in the run."""
+    import json
+
+    from owt_tf.config import RunConfig
+    from owt_tf.data.stats import STATS_FILE
+    from owt_tf.export import export_saved_model
+    from owt_tf.training.loop import Trainer
+
+    images = _write_sized_tree(tmp_path / "d", 32)
+    config = RunConfig(dataset=f"folder:{tmp_path / 'd'}", devices=1, scheme="single",
+                       batch_size=8, steps=2, eval_every=0, logdir=str(tmp_path / "run"))
+    trainer = Trainer(config)
+    trainer.fit(log=lambda line: None, progress=False)
+    stats = json.loads((tmp_path / "run" / STATS_FILE).read_text())
+    pixels = np.stack(list(images.values())).astype(np.float64)
+    np.testing.assert_allclose(stats["mean"], pixels.mean(axis=(0, 1, 2)), rtol=1e-9)
+    out = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
+                             str(tmp_path / "export"))
+    x = np.stack(list(images.values()))[:8]
+    served = tf.saved_model.load(out).signatures["serving_default"](images=tf.constant(x))
+    normalised = (x.astype(np.float32) - np.float32(stats["mean"])) / np.float32(stats["std"])
+    logits = trainer._predict_fn(trainer.hybrid.distribute_global_batch(tf.constant(normalised)))
+    np.testing.assert_allclose(served["probabilities"].numpy(),
+                               tf.nn.softmax(logits.numpy()[:, :3]).numpy(), atol=1e-5)
+    with open(os.path.join(out, "owt_tf_export.json")) as f:
+        meta = json.load(f)
+    np.testing.assert_allclose(meta["mean"], stats["mean"])
+    np.testing.assert_allclose(meta["std"], stats["std"])

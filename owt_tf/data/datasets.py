@@ -3,8 +3,8 @@
     digits       scikit-learn's bundled 8x8 handwritten digits (real data, no download),
                  resized to the model's input; a fixed 80/20 train/validation split
     folder:PATH  images in PATH/train/<label>/* and PATH/validation/<label>/* (or test/),
-                 the tfds.ImageFolder layout, streamed and decoded by tf.data with AlexNet's
-                 training augmentation (random crop, flip, lighting) and a center crop for eval
+                 the tfds.ImageFolder layout, streamed and decoded by tf.data with a training
+                 augmentation (--augment) and a center crop for eval
     synthetic    random images and labels of the model's size, for benchmarks only
 
 A training batch is the *global* batch of B*K examples; MirroredStrategy's
@@ -27,8 +27,9 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.data import DATASET_NAMES
-from owt_tf.data.preprocess import (augment_train_batch, decode_train_crop, eval_preprocess,
-                                     normalize, train_draws)
+from owt_tf.config import AUGMENTATIONS
+from owt_tf.data.preprocess import (augment_train_batch, decode_train_crop,
+                                     eval_pixels, eval_preprocess, normalize, train_draws)
 _SPLIT_SEED = 20140421  # fixed: the validation split never changes with --seed
 
 
@@ -96,21 +97,43 @@ IMAGENET_TARS = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar")
 
 def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Optional[int] = None,
                  seed: int = 0, data_dir: Optional[str] = None, download: bool = False,
-                 manual_dir: Optional[str] = None):
-    """The dataset called `name`, with images of `image_shape` (H, W, C)."""
+                 manual_dir: Optional[str] = None, augment: str = "auto"):
+    """The dataset called `name`, with images of `image_shape` (H, W, C); a streamed one
+    trains with the augmentation `augment` ('auto': default_augmentation)."""
     if name == "digits":
         return _digits(image_shape)
     if name == "synthetic":
         return _synthetic(image_shape, num_classes or 10, seed)
     if name.startswith("folder:"):
-        return FolderDataset(name[len("folder:"):], image_shape)
-    if name.startswith("tfds:"):
-        return TfdsDataset(name[len("tfds:"):], image_shape, data_dir, download)
-    if name == "imagenet2012":
+        dataset = FolderDataset(name[len("folder:"):], image_shape)
+    elif name.startswith("tfds:"):
+        dataset = TfdsDataset(name[len("tfds:"):], image_shape, data_dir, download)
+    elif name == "imagenet2012":
         # TFDS' own builder, from the ILSVRC tars the user downloaded (no network).
-        return TfdsDataset("imagenet2012", image_shape, data_dir, manual_dir=manual_dir,
-                           required_files=IMAGENET_TARS)
-    raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
+        dataset = TfdsDataset("imagenet2012", image_shape, data_dir, manual_dir=manual_dir,
+                              required_files=IMAGENET_TARS)
+    else:
+        raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
+    if augment not in AUGMENTATIONS:
+        raise DatasetError(f"unknown augmentation {augment!r}; known: {', '.join(AUGMENTATIONS)}")
+    dataset.augment = default_augmentation(dataset) if augment == "auto" else augment
+    return dataset
+
+
+def default_augmentation(dataset: "StreamDataset") -> str:
+    """'alexnet' for ImageNet-sized images (ImageNet itself, or a set whose sampled images
+    have a shorter side of at least the model's input side * 256/224); 'crop' for smaller
+    ones, which the network sees upscaled: no mirror images and no ImageNet lighting noise
+    (measured on handwritten digits, README 'Data')."""
+    if dataset.name == "tfds:imagenet2012":
+        return "alexnet"
+    sides = [min(image.shape[:2]) for image, _ in dataset._readable().take(SIZE_SAMPLE)]
+    needed = dataset.image_shape[0] * 256.0 / 224.0
+    return "alexnet" if sides and float(np.median(sides)) >= needed else "crop"
+
+
+SIZE_SAMPLE = 32  # images whose size decides default_augmentation
+STATS_SAMPLE = 1000  # training images behind a dataset's own mean and spread
 
 
 def _digits(image_shape) -> ArrayDataset:
@@ -158,9 +181,41 @@ class StreamDataset:
     num_classes: int
     num_train: int
     image_shape: Tuple[int, int, int]
-    # AlexNet subtracts the mean pixel; ImageNet's mean and spread stand in for any set.
+    # ImageNet's mean pixel and spread: ImageNet's normalisation, and that of runs written
+    # before datasets had their own (input_stats.json).
     mean: Tuple[float, ...] = (123.68, 116.78, 103.94)
     std: Tuple[float, ...] = (58.4, 57.1, 57.4)
+    augment: str = "alexnet"  # AUGMENTATIONS less 'auto'; load_dataset resolves it
+
+    @property
+    def has_own_statistics(self) -> bool:
+        """Whether it is normalised by its own statistics (all but ImageNet)."""
+        return self.name != "tfds:imagenet2012"
+
+    def use_statistics(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        """Normalise training, evaluation and export inputs with this mean and spread."""
+        self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+    def input_statistics(self, sample: int = STATS_SAMPLE) -> Tuple[tuple, tuple, int]:
+        """(per-channel mean, std, images used) of the network's input pixels (the eval
+        view, 0..255) over up to `sample` training images spread over the split."""
+        size = self.image_shape[:2]
+        total, total_sq, count, images = 0.0, 0.0, 0, 0
+        for image, _ in self._sampled_train_records(sample).map(self._decode).ignore_errors():
+            pixels = eval_pixels(image[None], size)[0].numpy().astype(np.float64)
+            flat = pixels.reshape(-1, pixels.shape[-1])
+            total, total_sq = total + flat.sum(0), total_sq + (flat ** 2).sum(0)
+            count, images = count + len(flat), images + 1
+        if not images:
+            raise DatasetError(f"{self.name}: none of the sampled training images could be "
+                               "decoded")
+        mean = total / count
+        std = np.sqrt(np.maximum(total_sq / count - mean ** 2, 0.0))
+        std = np.where(std > 0, std, 1.0)  # a constant channel stays finite
+        return tuple(float(m) for m in mean), tuple(float(s) for s in std), images
+
+    def _sampled_train_records(self, sample: int) -> tf.data.Dataset:
+        return self._ordered_train_records().take(sample)
 
     def label_names(self) -> Tuple[str, ...]:
         """Class names by label: the folder names, TFDS' label names, else the numbers."""
@@ -192,13 +247,22 @@ class StreamDataset:
                       deterministic=True).prefetch(2)
 
     def _train_crop(self, position, item, draws):
-        """One record -> (uint8 crop of the input size, label, position, flip, lighting)."""
+        """One record -> (uint8 crop of the input size, label, position, flip, lighting);
+        with augment 'none', the image's eval view (float32 pixels) instead of a crop."""
         record, label = item
-        crop = decode_train_crop(self._encoded_image(record), self.image_shape[:2],
-                                 self.image_shape[-1], draws.corner)
+        if self.augment == "none":
+            image, label = self._decode(record, label)
+            crop = eval_pixels(image[None], self.image_shape[:2])[0]
+        else:
+            crop = decode_train_crop(self._encoded_image(record), self.image_shape[:2],
+                                     self.image_shape[-1], draws.corner)
         return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
 
     def _augment_batch(self, crops, labels, positions, flips, lighting):
+        if self.augment == "none":
+            return normalize(crops, self.mean, self.std), labels, positions
+        if self.augment == "crop":  # the same draws, the flip and lighting left out
+            flips, lighting = tf.zeros_like(flips), tf.zeros_like(lighting)
         return augment_train_batch(crops, flips, lighting, self.mean, self.std), labels, positions
 
     def _decode(self, record, label):
@@ -294,6 +358,13 @@ class FolderDataset(StreamDataset):
 
     def _ordered_train_records(self) -> tf.data.Dataset:
         return tf.data.Dataset.from_tensor_slices((self.train_files, self.train_file_labels))
+
+    def _sampled_train_records(self, sample: int) -> tf.data.Dataset:
+        """Evenly spaced over the split: the files are in class order."""
+        picks = np.unique(np.linspace(0, self.num_train - 1, min(sample, self.num_train))
+                          .round().astype(int))
+        return tf.data.Dataset.from_tensor_slices((self.train_files[picks],
+                                                   self.train_file_labels[picks]))
 
     def _val_records(self) -> tf.data.Dataset:
         return tf.data.Dataset.from_tensor_slices((self.val_files, self.val_file_labels))

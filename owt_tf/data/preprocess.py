@@ -1,6 +1,7 @@
 """Turning images into the network's input: eval_preprocess (the same function in evaluation
-and export) and AlexNet's training augmentation (crop window decoded from the encoded image,
-then flip, lighting and normalisation per batch)."""
+and export) and the training augmentations (--augment): AlexNet's (crop window decoded
+from the encoded image, then flip, lighting and normalisation per batch), its crop alone, or
+none (the eval view)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence, Tuple
@@ -18,6 +19,12 @@ def eval_preprocess(images: tf.Tensor, size: Tuple[int, int], mean: Sequence[flo
                     std: Sequence[float]) -> tf.Tensor:
     """Eval-time input: images of the model's size are only normalized; others have their
     shorter side resized to size*256/224 (AlexNet's 256 for 224) and are center-cropped."""
+    return normalize(eval_pixels(images, size), mean, std)
+
+
+def eval_pixels(images: tf.Tensor, size: Tuple[int, int]) -> tf.Tensor:
+    """The eval view of [N, H, W, C] images as float32 pixels in 0..255, not normalized:
+    unchanged at the model's size, else shorter side to size*256/224 and center-cropped."""
     height, width = size
     shape = tf.shape(images)
 
@@ -37,8 +44,7 @@ def eval_preprocess(images: tf.Tensor, size: Tuple[int, int], mean: Sequence[flo
     same = tf.logical_and(tf.equal(shape[1], height), tf.equal(shape[2], width))
     pixels = tf.cond(same, lambda: tf.cast(images, tf.float32), resize_and_crop)
     # A reshape, not tf.ensure_shape: TFLite has no EnsureShape builtin.
-    pixels = tf.reshape(pixels, [-1, height, width, images.shape[-1] or shape[3]])
-    return normalize(pixels, mean, std)
+    return tf.reshape(pixels, [-1, height, width, images.shape[-1] or shape[3]])
 
 
 # AlexNet 2012's PCA lighting noise: eigenvalues and eigenvectors of the RGB covariance of

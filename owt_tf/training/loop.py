@@ -18,11 +18,12 @@ import tensorflow as tf
 
 from owt_tf.config import ConfigError, RunConfig, lr_factor
 from owt_tf.data.datasets import load_dataset
+from owt_tf.data.stats import settle_normalisation
 from owt_tf.devices import setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.plan import PlanError
 from owt_tf.parallel.strategy import HybridStrategy
-from owt_tf.training.checkpoint import RunCheckpoints
+from owt_tf.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from owt_tf.training.optim import build_optimizer
 from owt_tf.training.rundir import RunDirLock
 from owt_tf.training.guard import (Interrupted, NonFiniteError, SignalStop, StepSnapshot,
@@ -96,7 +97,10 @@ class Trainer:
         probe = _model_spec(config, None)
         self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed,
                                     data_dir=config.data_dir, download=config.download,
-                                    manual_dir=config.manual_dir)
+                                    manual_dir=config.manual_dir, augment=config.augment)
+        self.input_stats = settle_normalisation(
+            self.dataset, self.logdir, writer=self.rundir is not None,
+            started_before=os.path.exists(os.path.join(self.logdir, CONFIG_FILE)))
         self.spec = _model_spec(config, self.dataset.num_classes)
         try:
             self.hybrid.parallel_plan.check_widths(self.spec.head.hidden, self.hybrid.num_replicas,
