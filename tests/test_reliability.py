@@ -458,10 +458,10 @@ def test_no_readable_checkpoint_stops_and_changes_nothing_evaluate_and_export_sk
     for step in (6, 9):
         _truncate(os.path.join(directory, f"ckpt-{step}"))
     before = _snapshot(logdir)
-    runs = {"owt_tf.train": _train(*RUN, "--logdir", logdir),
-            "owt_tf.evaluate": subprocess.run(
-                [sys.executable, "-m", "owt_tf.evaluate", "--logdir", logdir],
-                capture_output=True, text=True, env=_env(), timeout=300)}
+    runs = {"owt_tf.train": _train(*RUN, "--logdir", logdir)}
+    for prog, more in (("owt_tf.evaluate", []), ("owt_tf.export", ["--out", out])):
+        runs[prog] = subprocess.run([sys.executable, "-m", prog, "--logdir", logdir, *more],
+                                    capture_output=True, text=True, env=_env(), timeout=300)
     for prog, proc in runs.items():
         assert proc.returncode == 2, proc.stderr[-3000:]
         errors = _errors(proc, prog)
@@ -469,6 +469,7 @@ def test_no_readable_checkpoint_stops_and_changes_nothing_evaluate_and_export_sk
         assert f"no checkpoint in {directory} can be read" in errors[0]
         for step in (6, 9, STEPS):
             assert f"ckpt-{step} cannot be read back" in errors[0]
+    assert os.listdir(out) == ["1"]  # the export of ckpt-9 above, no other
     # the run's files as they were; the lock file records train as its last holder
     lock = "owt_tf.lock"
     assert {k: v for k, v in _snapshot(logdir).items() if k != lock} == \
