@@ -126,3 +126,17 @@ def test_vgg_tiny_is_vgg16s_shape_on_32px():
         fan_in = width
     assert trunk.count_params() == want == 330_576
     assert spec.head.hidden == (256, 256)
+
+
+def test_initial_kernels_are_glorot_uniform():
+    """Keras' glorot_uniform bound sqrt(6 / (fan_in + fan_out)), the receptive field counted:
+    the draws fill it (variance limit^2 / 3) and never pass it."""
+    spec = alexnet_tiny()
+    trunk = spec.build_trunk()
+    kernels = [w for w in initial_trunk_weights(trunk, 0) if w.ndim > 1]
+    kernels += [k for k, _ in initial_head_weights(288, spec.head, 0)]
+    for kernel in kernels:
+        receptive = int(np.prod(kernel.shape[:-2])) if kernel.ndim > 2 else 1
+        limit = np.sqrt(6.0 / (receptive * (kernel.shape[-2] + kernel.shape[-1])))
+        assert np.abs(kernel).max() <= limit
+        assert kernel.var() == pytest.approx(limit ** 2 / 3, rel=0.15)

@@ -94,18 +94,27 @@ def fc_param_count(in_dim: int, head: HeadSpec) -> int:
     return total
 
 
+def glorot_limit(shape: Tuple[int, ...]) -> float:
+    """Keras' glorot_uniform bound for a kernel of `shape` (..., in, out): sqrt(6 / (fan_in +
+    fan_out)), both fans counting the receptive field."""
+    receptive = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+    return float(np.sqrt(6.0 / (receptive * (shape[-2] + shape[-1]))))
+
+
+# Glorot-uniform, Keras' default, not He-uniform: with He's larger draws alexnet_tiny at
+# the default rate for a batch of 128 trained 3-5x worse on a folder of digits, or not at
+# all (README, "Data": measured against keras.Model.fit).
 def initial_trunk_weights(trunk: "keras.Model", seed: int) -> List[np.ndarray]:
-    """He-uniform kernels drawn in numpy from `seed` alone; every other weight (biases,
-    BatchNormalization's gamma, beta and moving statistics, ...) keeps the value Keras gave
-    it (zeroing them all made gamma and the moving variance 0: a BatchNorm trunk never
-    trained)."""
+    """Glorot-uniform kernels (Keras' default) drawn in numpy from `seed` alone; every other
+    weight (biases, BatchNormalization's gamma, beta and moving statistics, ...) keeps the
+    value Keras gave it (zeroing them all made gamma and the moving variance 0: a BatchNorm
+    trunk never trained)."""
     rng = np.random.default_rng([seed, 0])
     weights = []
     for w in trunk.weights:
         shape = tuple(w.shape)
         if len(shape) > 1 and w.trainable:
-            fan_in = int(np.prod(shape[:-1]))
-            limit = np.sqrt(6.0 / fan_in)
+            limit = glorot_limit(shape)
             weights.append(rng.uniform(-limit, limit, size=shape).astype(np.float32))
         else:
             weights.append(np.asarray(w.numpy()))
@@ -113,15 +122,14 @@ def initial_trunk_weights(trunk: "keras.Model", seed: int) -> List[np.ndarray]:
 
 
 def initial_head_weights(in_dim: int, head: HeadSpec, seed: int) -> List[Tuple[np.ndarray, np.ndarray]]:
-    """Full (unsplit) (kernel, bias) per FC layer: He-uniform for hidden layers, Glorot for logits.
+    """Full (unsplit) (kernel, bias) per FC layer: Glorot-uniform kernels, zero biases.
 
     Drawn whole and only later split, so the same seed gives the same network at any K.
     """
     rng = np.random.default_rng([seed, 1])
     layers, fan_in = [], in_dim
-    for i, width in enumerate(head.widths):
-        last = i == len(head.widths) - 1
-        limit = np.sqrt(6.0 / (fan_in + width)) if last else np.sqrt(6.0 / fan_in)
+    for width in head.widths:
+        limit = glorot_limit((fan_in, width))
         kernel = rng.uniform(-limit, limit, size=(fan_in, width)).astype(np.float32)
         layers.append((kernel, np.zeros((width,), np.float32)))
         fan_in = width
