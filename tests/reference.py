@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.models.spec import ModelSpec, initial_head_weights, initial_trunk_weights
+from owt_tf.models.spec import ModelSpec
 
 
 class ReferenceModel:
@@ -20,9 +20,8 @@ class ReferenceModel:
         self.device = device
         with tf.device(device):
             self.trunk = spec.build_trunk()
-            self.trunk.set_weights(initial_trunk_weights(self.trunk, seed))
-            in_dim = int(np.prod(self.trunk.output_shape[1:]))
-            weights = initial_head_weights(in_dim, spec.head, seed)
+            trunk_weights, weights = spec.initial_weights_for(self.trunk, seed)
+            self.trunk.set_weights(trunk_weights)
             self.fc = []
             for i, (kernel, bias) in enumerate(weights):
                 last = i == len(weights) - 1

@@ -9,6 +9,7 @@ CollectiveAllReduce (CPU) and NCCL (GPU) use, as docs/paper.md counts them:
     all-gather of a local block of b bytes over K workers:  (K-1) * b
     all-reduce of a tensor of T bytes:                      2 (K-1)/K * T
     reduce-scatter of a tensor of T bytes:                  (K-1)/K * T
+    broadcast of b bytes (average over the K sources):     (K-1)/K * b
 
 except that this module's reduce-scatter is an all-reduce from K = 12 on
 (engine_reduce_scatter_cost, _reduce_scatter_counted).
@@ -29,7 +30,7 @@ import collections
 import contextlib
 import functools
 from fractions import Fraction
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import tensorflow as tf
 
@@ -53,6 +54,14 @@ def all_reduce_cost(total_bytes: int, k: int) -> Fraction:
 
 def reduce_scatter_cost(total_bytes: int, k: int) -> Fraction:
     return Fraction((k - 1) * total_bytes, k)
+
+
+def broadcast_cost(nbytes: int, k: int) -> Fraction:
+    """(K-1)/K * b per worker for one broadcast of b bytes: every other replica receives it
+    once, (K-1) * b in all, whatever tree TF relays it along (CPU: a binary tree). Scheme (b)
+    broadcasts once from every replica per step, so over a step each worker sends (K-1) * b
+    per round's block on average, as many as when the source sends K-1 copies itself."""
+    return Fraction((k - 1) * nbytes, k)
 
 
 def engine_reduce_scatter_cost(total_bytes: int, k: int) -> Fraction:
@@ -280,28 +289,56 @@ def all_reduce_sum(x: tf.Tensor, purpose: str) -> tf.Tensor:
     return reduce(x)
 
 
-def broadcast_from(x: tf.Tensor, source: int, purpose: str) -> tf.Tensor:
-    """Replica `source`'s `x` on every replica. Differentiable: `source` gets the summed gradient.
+def broadcast_rounds(x: tf.Tensor, purpose: str, scope: str = "exchange_round") -> List[tf.Tensor]:
+    """Every replica's `x`, on every replica: K broadcasts, round r's from replica r (each
+    under the name scope f"{scope}{r}"). Differentiable.
 
-    Issued as an all-reduce of `x` masked to zero off the source. Every replica feeds its own
-    `x` into the custom gradient so that all of them take part in the backward reduce
-    (docs/design.md: with tf.zeros_like off-tape, backward collectives pair up wrongly).
+    Backward: one reduce-scatter of the K rounds' gradients, so that each replica receives
+    the sum of the gradients for its own rows only: the paper's "back to the worker that
+    owns those examples", (K-1)/K of the K rounds' gradient bytes, as scheme (a)'s backward.
     """
-    k, me = num_replicas(), replica_id()
+    k = num_replicas()
     if k == 1:
-        return x
+        return [x]
 
     @tf.custom_gradient
     def bcast(v):
-        contribution = v if me == source else tf.zeros_like(v)
+        received = []
+        for r in range(k):
+            with tf.name_scope(f"{scope}{r}"):
+                after = received[-1:]  # this replica's broadcasts in round order (NCCL needs one order)
+                with tf.control_dependencies(after):
+                    received.append(_broadcast_counted(v, r, purpose))
 
-        def grad(dy):
-            total = _all_reduce_sum_counted(dy, purpose)
-            return total if me == source else tf.zeros_like(total)
+        def grad(*dys):
+            return _reduce_scatter_counted(tf.concat(dys, 0), 0, purpose)
 
-        return _all_reduce_sum_counted(contribution, purpose), grad
+        return received, grad
 
     return bcast(x)
+
+
+def _broadcast_counted(x: tf.Tensor, source: int, purpose: str) -> tf.Tensor:
+    """Replica `source`'s `x` on every replica: one CollectiveBcastSendV2 / RecvV2 pair.
+
+    TF's broadcast ops take no ordering token; auto control dependencies leave them
+    unordered on purpose (tensorflow/python/framework/auto_control_deps.py,
+    ASYNC_STATEFUL_OPS), so unlike the all-to-all they need none to avoid a hang.
+    """
+    from tensorflow.python.ops import collective_ops  # the strategy's own collective layer
+
+    k = num_replicas()
+    record(purpose, "broadcast", broadcast_cost(tensor_bytes(x), k))
+    launcher = _launcher()
+    keys = dict(group_size=launcher._group_size, group_key=launcher._group_key,  # pylint: disable=protected-access
+                instance_key=launcher._next_instance_key(),  # pylint: disable=protected-access
+                communication_hint=launcher._options.implementation.value)  # pylint: disable=protected-access
+    with tf.device(launcher._device):  # pylint: disable=protected-access
+        if replica_id() == source:
+            return collective_ops.broadcast_send_v2(x, **keys)
+        received = collective_ops.broadcast_recv_v2(tf.shape(x), x.dtype, **keys)
+    received.set_shape(x.shape)
+    return received
 
 
 def gather_labels(y: tf.Tensor) -> tf.Tensor:

@@ -17,7 +17,7 @@ every round (K FC updates per conv update, the paper's (128K, 128) rows).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -57,13 +57,52 @@ class SchemePlan:
         return np.arange(k * b)
 
     def exchange(self, r: int, a_local: tf.Tensor) -> tf.Tensor:
-        """Round r's rows of the last conv activations, the same on every replica."""
-        if self.scheme == "owt-b":
-            return coll.broadcast_from(a_local, r, coll.ACTIVATIONS)
+        """Round r's rows of the last conv activations, the same on every replica (owt-a,
+        owt-c, single; owt-b's rounds come from coll.broadcast_rounds, all at once)."""
         if self.scheme == "owt-c":
             s = self.batch_size // self.num_replicas
             return coll.all_gather(a_local[r * s:(r + 1) * s], 0, coll.ACTIVATIONS)
         return coll.all_gather(a_local, 0, coll.ACTIVATIONS)
+
+
+Backward = Callable[[List[tf.Tensor]], tf.Tensor]
+
+
+def exchange_rounds(plan: SchemePlan, a_local: tf.Tensor) -> Tuple[List[tf.Tensor], Backward]:
+    """Every round's FC input, and the function that turns the rounds' input gradients into
+    d loss / d a_local.
+
+    Every round's exchange is issued before any round's FC work, and every backward
+    exchange after the last round. The strategy runs a device's collectives in program
+    order (one ordering token per device), so this order lets round r's FC compute overlap
+    the transfer of rounds r+1... (the paper's point about scheme (b)); issuing exchange
+    r+1 after round r would serialize them.
+    """
+    if not plan.model_parallel:
+        return [a_local], lambda grads: grads[0]
+    if plan.scheme == "owt-b":
+        # One op for all K broadcasts: one backward collective (a reduce-scatter), no order
+        # among several to get wrong.
+        with tf.GradientTape() as tape:
+            tape.watch(a_local)
+            inputs = coll.broadcast_rounds(a_local, coll.ACTIVATIONS)
+        return inputs, lambda grads: tape.gradient(inputs, a_local, output_gradients=grads)
+    # One tape per exchange, differentiated in round order. With one tape over all of them
+    # the tape would pick among equally ready backward collectives in an order that differs
+    # between replicas (tensor ids interleave across replica threads), pairing round r's
+    # gradient with round r' on another replica: wrong numbers, no error.
+    tapes, inputs = [], []
+    for r in range(plan.num_rounds):
+        with tf.GradientTape() as tape, tf.name_scope(f"exchange_round{r}"):
+            tape.watch(a_local)
+            inputs.append(plan.exchange(r, a_local))
+        tapes.append(tape)
+
+    def backward(grads: List[tf.Tensor]) -> tf.Tensor:
+        return tf.add_n([tape.gradient(x, a_local, output_gradients=g)
+                         for tape, x, g in zip(tapes, inputs, grads)])
+
+    return inputs, backward
 
 
 @dataclasses.dataclass
@@ -89,12 +128,6 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
 
     `apply_fc_update(grads)` is called with this shard's FC gradients once per FC update:
     after every round when fc_batch='worker', else once with the average over rounds.
-
-    Every round's activation exchange is issued before any round's FC work, and every
-    round's backward exchange after the last round. The strategy runs a device's
-    collectives in program order (one ordering token per device), so this order lets
-    round r's FC compute overlap the transfer of rounds r+1... (the paper's point about
-    scheme (b)); issuing exchange r+1 after round r would serialize them.
     """
     labels = coll.gather_labels(y_local) if plan.model_parallel else y_local
     # Model parallel: each of the K replicas holds a copy of the same loss, and the
@@ -102,16 +135,7 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
     # gradient all-reduce sums the K parts. Either way each replica weighs its loss by 1/K.
     loss_weight = 1.0 / plan.num_replicas
     rounds = range(plan.num_rounds)
-    # One tape per exchange, differentiated in round order below. With one tape over all of
-    # them the tape would pick among equally ready backward collectives in an order that
-    # differs between replicas (tensor ids interleave across replica threads), pairing
-    # round r's gradient with round r' on another replica: wrong numbers, no error.
-    exchange_tapes, inputs = [], []
-    for r in rounds:
-        with tf.GradientTape() as exchange_tape, tf.name_scope(f"exchange_round{r}"):
-            exchange_tape.watch(a_local)
-            inputs.append(plan.exchange(r, a_local) if plan.model_parallel else tf.identity(a_local))
-        exchange_tapes.append(exchange_tape)
+    inputs, exchange_backward = exchange_rounds(plan, a_local)
     shard_vars = head.shard_variables(shard)
     input_grads: List[tf.Tensor] = []
     summed_fc: Optional[List[tf.Tensor]] = None
@@ -144,7 +168,5 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
         averaged = [g / plan.num_rounds for g in summed_fc]
         apply_fc_update(averaged)
         applied.append(averaged)
-    activation_grad = tf.add_n([tape.gradient(x, a_local, output_gradients=g)
-                                for tape, x, g in zip(exchange_tapes, inputs, input_grads)])
-    return RoundsResult(activation_grad, applied, loss_sum, correct, count, round_outputs,
+    return RoundsResult(exchange_backward(input_grads), applied, loss_sum, correct, count, round_outputs,
                         round_labels_seen)

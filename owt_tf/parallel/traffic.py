@@ -39,6 +39,7 @@ class NetworkShape:
 
 _gather = coll.all_gather_cost
 _reduce = coll.all_reduce_cost
+_bcast = coll.broadcast_cost
 _scatter = coll.engine_reduce_scatter_cost  # an all-reduce from K = 12 on (TF's all-to-all)
 
 
@@ -68,18 +69,20 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     if scheme in ("owt-a", "single"):
         rounds, n = 1, k * b
         # forward: gather every worker's block; backward: reduce-scatter the gradient
-        act = _gather(b * d * F32, k) + _scatter(k * b * d * F32, k)
+        act, act_calls = _gather(b * d * F32, k) + _scatter(k * b * d * F32, k), 2
     elif scheme == "owt-b":
         rounds, n = k, b
-        # each round: worker r's block sent to all (a masked all-reduce), gradient back likewise
-        act = 2 * _reduce(b * d * F32, k)
+        # K broadcasts, one from each worker; the gradients of all K rounds go back to
+        # their owners at once (a reduce-scatter, as in scheme (a))
+        act, act_calls = k * _bcast(b * d * F32, k) + _scatter(k * b * d * F32, k), k + 1
     elif scheme == "owt-c":
         rounds, n = k, b
         s = b // k
-        act = _gather(s * d * F32, k) + _scatter(b * d * F32, k)
+        # each round: gather B/K rows of every worker; backward: reduce-scatter them
+        act, act_calls = rounds * (_gather(s * d * F32, k) + _scatter(b * d * F32, k)), 2 * rounds
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
-    out.append(Transfer(coll.ACTIVATIONS, rounds * act, 2 * rounds))
+    out.append(Transfer(coll.ACTIVATIONS, act, act_calls))
     widths = list(net.hidden) + [net.num_classes]
     plan = split_plan(len(widths), fc_exchange)
     fc, fc_calls = Fraction(0), 0
