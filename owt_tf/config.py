@@ -55,7 +55,7 @@ class RunConfig:
     manual_dir: Optional[str] = None
     download: bool = False
     # Training augmentation of a streamed dataset: auto picks from its images (alexnet for
-    # ImageNet-sized ones, crop for small ones); digits and synthetic are never augmented.
+    # ImageNet-sized ones, none for small ones); digits and synthetic are never augmented.
     augment: str = "auto"
     devices: int = 2
     scheme: str = "owt-b"

@@ -24,7 +24,7 @@ HELP = {
     "data_dir": "where prepared TFDS datasets live",
     "augment": "training augmentation of a streamed dataset: alexnet (shorter side to "
                "256/224 of the input, random crop, flip, PCA lighting), crop (the random crop "
-               "only), none (the eval view), or auto: alexnet for ImageNet-sized images, crop "
+               "only), none (the eval view), or auto: alexnet for ImageNet-sized images, none "
                "for smaller ones",
     "download": "let TFDS download and prepare a tfds:NAME dataset that is not prepared yet",
     "manual_dir": "imagenet2012: the folder holding ILSVRC2012_img_train.tar and _val.tar",

@@ -151,7 +151,7 @@ def test_statistics_are_stored_with_the_run_and_reused(tmp_path):
     views = views.astype(np.float64)
     np.testing.assert_allclose(stored["mean"], views.mean(axis=(0, 1, 2)), rtol=1e-6)
     np.testing.assert_allclose(stored["std"], views.std(axis=(0, 1, 2)), rtol=1e-5)
-    assert stored["images"] == 24 and stored["augment"] == "crop"
+    assert stored["images"] == 24 and stored["augment"] == "none"
     assert ds.mean == tuple(stored["mean"]) and ds.std == tuple(stored["std"])
     again = load_dataset(f"folder:{tmp_path / 'd'}", (32, 32, 3))
     (tmp_path / "run" / STATS_FILE).write_text(json.dumps({**stored, "mean": [1.0, 2.0, 3.0]}))
@@ -162,16 +162,17 @@ def test_statistics_are_stored_with_the_run_and_reused(tmp_path):
     assert old.mean == (123.68, 116.78, 103.94)
 
 
-def test_small_images_default_to_crops_without_mirror_images(tmp_path):
-    """Every image a left-to-right ramp: under the small-image default no training row is
-    mirrored (all rise left to right); AlexNet's augmentation mirrors about half."""
+def test_small_images_default_to_no_mirror_images(tmp_path):
+    """Every image a left-to-right ramp: under the small-image default ('none') and under
+    'crop' no training row is mirrored (all rise left to right); AlexNet's augmentation
+    mirrors about half."""
     ramp = np.broadcast_to(np.linspace(0, 255, 8).astype(np.uint8)[None, :, None], (8, 8, 3))
     _write_sized_tree(tmp_path / "small", 8, image=np.ascontiguousarray(ramp))
     big = tmp_path / "big"
     wide = np.broadcast_to(np.linspace(0, 255, 48).astype(np.uint8)[None, :, None], (48, 48, 3))
     _write_sized_tree(big, 48, image=np.ascontiguousarray(wide))
     small = load_dataset(f"folder:{tmp_path / 'small'}", (32, 32, 3))
-    assert small.augment == "crop"
+    assert small.augment == "none"
     assert load_dataset(f"folder:{big}", (32, 32, 3)).augment == "alexnet"
 
     def rising(ds):
@@ -179,6 +180,7 @@ def test_small_images_default_to_crops_without_mirror_images(tmp_path):
         return x[:, :, -4:].mean(axis=(1, 2, 3)) > x[:, :, :4].mean(axis=(1, 2, 3))
 
     assert rising(small).all()
+    assert rising(load_dataset(f"folder:{tmp_path / 'small'}", (32, 32, 3), augment="crop")).all()
     mirrored = load_dataset(f"folder:{tmp_path / 'small'}", (32, 32, 3), augment="alexnet")
     assert 0 < (~rising(mirrored)).sum() < 24
 
