@@ -6,11 +6,12 @@ import textwrap
 
 import pytest
 
+from conftest import NUM_TEST_DEVICES
 from owt_tf.devices import DeviceError, make_strategy, setup_devices
 
 
-def test_session_has_eight_logical_cpus(devices):
-    assert devices == [f"/device:CPU:{i}" for i in range(8)]
+def test_session_has_its_logical_cpus(devices):
+    assert devices == [f"/device:CPU:{i}" for i in range(NUM_TEST_DEVICES)]
     assert make_strategy(devices[:4]).num_replicas_in_sync == 4
 
 
@@ -19,8 +20,8 @@ def test_fewer_devices_than_initialized_is_fine(devices):
 
 
 def test_more_devices_than_initialized_is_a_clear_error(devices):
-    with pytest.raises(DeviceError, match="already initialized with 8"):
-        setup_devices(16)
+    with pytest.raises(DeviceError, match=f"already initialized with {NUM_TEST_DEVICES}"):
+        setup_devices(NUM_TEST_DEVICES + 1)
 
 
 def test_gpus_required_but_absent():

@@ -236,7 +236,7 @@ def test_dataset_without_a_readable_image_fails_at_once(tmp_path):
                           capture_output=True, text=True, env=_env(), timeout=300)
     errors = [l for l in proc.stderr.splitlines() if "owt_tf.train: error" in l]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
-    assert "none of the 24 training images could be decoded" in errors[0]
+    assert "none of the 24 sampled training images (24 in all) could be decoded" in errors[0]
     assert os.listdir(work) == []
 
 

@@ -207,8 +207,8 @@ class StreamDataset:
             total, total_sq = total + flat.sum(0), total_sq + (flat ** 2).sum(0)
             count, images = count + len(flat), images + 1
         if not images:
-            raise DatasetError(f"{self.name}: none of the sampled training images could be "
-                               "decoded")
+            raise DatasetError(f"{self.name}: none of the {min(sample, self.num_train)} sampled "
+                               f"training images ({self.num_train} in all) could be decoded")
         mean = total / count
         std = np.sqrt(np.maximum(total_sq / count - mean ** 2, 0.0))
         std = np.where(std > 0, std, 1.0)  # a constant channel stays finite
