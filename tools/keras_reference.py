@@ -7,7 +7,7 @@ The network is owt_tf's own model spec as one `keras.Sequential`: its conv trunk
 layers of the head's widths with ReLU and dropout, and the class layer. Inputs are the
 images resized whole to the model's input size and standardised with the training split's
 per-channel mean and spread; no augmentation. SGD with momentum, no weight decay; Keras'
-default initialisers unless `--init owt` (owt_tf's seeded He-uniform draws).
+default initialisers unless `--init owt` (owt_tf's own seeded draws, Glorot-uniform).
 """
 from __future__ import annotations
 
