@@ -336,7 +336,12 @@ def _broadcast_counted(x: tf.Tensor, source: int, purpose: str) -> tf.Tensor:
     with tf.device(launcher._device):  # pylint: disable=protected-access
         if replica_id() == source:
             return collective_ops.broadcast_send_v2(x, **keys)
-        received = collective_ops.broadcast_recv_v2(tf.shape(x), x.dtype, **keys)
+        # A receive needs only x's static shape, so nothing would hold it back: when the
+        # step's input fails (Keras' last call of an epoch ends in get_next's OutOfRange),
+        # it would already be waiting for a send that never comes, and the failed step
+        # waits for it forever. It waits for this replica's own x instead.
+        with tf.control_dependencies([x]):
+            received = collective_ops.broadcast_recv_v2(tf.shape(x), x.dtype, **keys)
     received.set_shape(x.shape)
     return received
 
