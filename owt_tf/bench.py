@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from owt_tf.cli import OneLineParser
 from owt_tf.config import SCHEMES, ConfigError
 
 
@@ -52,8 +53,6 @@ def _parse_list(text: str, kind=str) -> List:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from owt_tf.train import OneLineParser
-
     p = OneLineParser(prog="python -m owt_tf.bench", description=__doc__,
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="alexnet_tiny", help="alexnet, alexnet_tiny, vgg16 or vgg_tiny")

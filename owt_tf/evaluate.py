@@ -17,6 +17,8 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
+from owt_tf.cli import OneLineParser
+
 
 def ten_crops(images: np.ndarray, size) -> List[np.ndarray]:
     """Corner and center crops of `size` and their horizontal mirrors (needs larger images)."""
@@ -59,8 +61,6 @@ def evaluate_probabilities(predict: Callable[[np.ndarray], np.ndarray], images: 
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from owt_tf.train import OneLineParser
-
     parser = OneLineParser(prog="python -m owt_tf.evaluate", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from typing import List, Optional, Sequence
 
+from owt_tf.cli import OneLineParser
+
 EXPORT_SIGNATURE = "serving_default"
 
 
@@ -178,7 +180,6 @@ def load_run(logdir: str):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from owt_tf.train import OneLineParser
     from owt_tf.training.checkpoint import NoReadableCheckpoint
 
     parser = OneLineParser(prog="python -m owt_tf.export", description=__doc__)

@@ -29,6 +29,9 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from owt_tf.cli import OneLineParser, parse_config
+from owt_tf.config import ConfigError
+
 HOST = "127.0.0.1"
 # Flags the launcher sets for every worker: given by the user they would contradict it.
 RESERVED_FLAGS = ("--devices", "--cluster", "--task-index")
@@ -72,9 +75,6 @@ def worker_flags(train_flags: Sequence[str], devices_per_worker: int,
 def check_train_flags(flags: Sequence[str], addresses: Sequence[str]) -> None:
     """The workers' flags, checked once here as worker 0 would check them (one error line
     instead of W)."""
-    from owt_tf.config import ConfigError
-    from owt_tf.train import parse_config
-
     try:
         parse_config(list(flags)).replace(cluster=",".join(addresses), task_index=0).validate()
     except ConfigError as err:
@@ -212,8 +212,6 @@ def run(workers: int, devices_per_worker: int, train_flags: Sequence[str], grace
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from owt_tf.train import OneLineParser
-
     parser = OneLineParser(prog="python -m owt_tf.launch", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="worker processes W")

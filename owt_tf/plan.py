@@ -35,6 +35,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence
 
+from owt_tf.cli import OneLineParser, device_counts
 from owt_tf.config import FC_EXCHANGES, LOSS_MODES, ConfigError
 from owt_tf.models.registry import MODEL_NAMES
 
@@ -464,8 +465,6 @@ def _positive(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from owt_tf.train import OneLineParser, device_counts
-
     p = OneLineParser(prog="python -m owt_tf.plan", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODEL_NAMES, default="alexnet")

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+from owt_tf.cli import OneLineParser, device_counts
 from owt_tf.config import LR_SCALINGS, ConfigError, RunConfig
 from owt_tf.models.registry import MODEL_NAMES
 
@@ -260,8 +261,6 @@ def plot(runs: List[Dict[str, object]], path: str, scalings: Sequence[str]) -> N
 
 def _devices_with_one(text: str) -> List[int]:
     """--devices, sorted, with K=1 added: every other row is compared with it."""
-    from owt_tf.train import device_counts
-
     return sorted(set(device_counts(text)) | {1})
 
 
@@ -274,8 +273,6 @@ def _scalings(text: str) -> List[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from owt_tf.train import OneLineParser
-
     p = OneLineParser(prog="python -m owt_tf.study", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODEL_NAMES, default="alexnet_tiny")

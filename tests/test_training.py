@@ -82,7 +82,7 @@ def test_epochs_override_steps():
 
 
 def test_presets_fill_in_and_flags_override():
-    from owt_tf.train import parse_config
+    from owt_tf.cli import parse_config
 
     paper = parse_config(["--preset", "imagenet-paper", "--devices", "4"])
     assert (paper.model, paper.batch_size, paper.fc_batch, paper.epochs) == ("alexnet", 128, "worker", 90.0)
