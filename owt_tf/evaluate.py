@@ -10,58 +10,16 @@ crops, the center crop and their mirror images (AlexNet 2012).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from typing import Callable, List, Optional
+from typing import List, Optional
 
-import numpy as np
+from owt_tf.cli import OneLineParser, fail
 
-from owt_tf.cli import OneLineParser
-
-
-def ten_crops(images: np.ndarray, size) -> List[np.ndarray]:
-    """Corner and center crops of `size` and their horizontal mirrors (needs larger images)."""
-    h, w = size
-    big_h, big_w = images.shape[1:3]
-    offsets = [(0, 0), (0, big_w - w), (big_h - h, 0), (big_h - h, big_w - w),
-               ((big_h - h) // 2, (big_w - w) // 2)]
-    crops = [images[:, t:t + h, l:l + w] for t, l in offsets]
-    return crops + [c[:, :, ::-1] for c in crops]
+PROG = "python -m owt_tf.evaluate"
 
 
-def upscale_for_ten_crop(images: np.ndarray, size) -> np.ndarray:
-    """Images resized so that the shorter side is size*256/224, as AlexNet's 256 for 224."""
-    import tensorflow as tf
-
-    h, w = size
-    target = (int(round(h * 256 / 224)), int(round(w * 256 / 224)))
-    resized = tf.image.resize(tf.cast(images, tf.float32), target, method="bilinear")
-    return np.clip(np.rint(resized.numpy()), 0, 255).astype(np.uint8)
-
-
-def error_rates(probabilities: np.ndarray, labels: np.ndarray) -> dict:
-    order = np.argsort(-probabilities, axis=1)
-    top1 = order[:, 0] == labels
-    top5 = (order[:, :5] == labels[:, None]).any(axis=1)
-    return {"top1_error": float(1 - top1.mean()), "top5_error": float(1 - top5.mean()),
-            "examples": int(len(labels))}
-
-
-def evaluate_probabilities(predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray,
-                           labels: np.ndarray, size, ten_crop: bool, batch: int = 256) -> dict:
-    """`predict(uint8 images) -> probabilities`, center crop or averaged over ten crops."""
-    def batched(x):
-        return np.concatenate([predict(x[i:i + batch]) for i in range(0, len(x), batch)])
-
-    if not ten_crop:
-        return error_rates(batched(images), labels)
-    views = ten_crops(upscale_for_ten_crop(images, size), size)
-    return error_rates(np.mean([batched(v) for v in views], axis=0), labels)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = OneLineParser(prog="python -m owt_tf.evaluate", description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--logdir", help="a run directory (its latest checkpoint)")
@@ -69,31 +27,32 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "directory, or its base path: the newest version)")
     parser.add_argument("--split", default="validation", choices=("validation", "train"))
     parser.add_argument("--ten-crop", action="store_true", help="average 10 crops per image")
-    args = parser.parse_args(argv)
+    return parser
 
-    from owt_tf.export import ExportError, load_run
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    # TensorFlow loads only now, after the flags were found good.
     from owt_tf.training.checkpoint import NoReadableCheckpoint
+    from owt_tf.training.evaluation import evaluate_probabilities, softmax_predictor
+    from owt_tf.training.runs import load_run
+    from owt_tf.training.serving import ExportError, load_export
 
     try:
         if args.logdir:
             trainer = load_run(args.logdir)
             print(f"checkpoint {trainer.resumed_from}")
             dataset, size = trainer.dataset, trainer.spec.input_shape[:2]
-
-            def predict(x):
-                logits = trainer.predict_logits(x)
-                e = np.exp(logits - logits.max(axis=1, keepdims=True))
-                return e / e.sum(axis=1, keepdims=True)
+            predict = softmax_predictor(trainer)
         else:
-            dataset, size, predict = _load_export(args.model)
+            dataset, size, predict = load_export(args.model)
     except (ExportError, FileNotFoundError, NoReadableCheckpoint) as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
+        return fail(PROG, err)
     if not hasattr(dataset, "val_images"):  # streamed from disk
         if args.ten_crop or args.model or args.split != "validation":
-            print(f"{parser.prog}: error: --ten-crop, --model and --split train need an in-memory "
-                  f"dataset; {dataset.name} is streamed: use --logdir", file=sys.stderr)
-            return 2
+            return fail(PROG, f"--ten-crop, --model and --split train need an in-memory "
+                              f"dataset; {dataset.name} is streamed: use --logdir")
         ev = trainer.evaluate()
         print(f"{dataset.name} validation ({ev.examples} images, center crop): "
               f"top-1 error {ev.top1_error:.2%}  top-5 error {ev.top5_error:.2%}")
@@ -105,29 +64,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{dataset.name} {args.split} ({result['examples']} images, {crop}): "
           f"top-1 error {result['top1_error']:.2%}  top-5 error {result['top5_error']:.2%}")
     return 0
-
-
-def _load_export(path: str):
-    import tensorflow as tf
-
-    from owt_tf.data.datasets import load_dataset
-    from owt_tf.export import ExportError
-
-    from owt_tf.export import latest_version
-
-    path = latest_version(path)
-    meta_path = os.path.join(path, "owt_tf_export.json")
-    if not os.path.exists(meta_path):
-        raise ExportError(f"--model {path} is not an owt_tf export (no owt_tf_export.json)")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    serve = tf.saved_model.load(path).signatures["serving_default"]
-    dataset = load_dataset(meta.get("dataset", "digits"), tuple(meta["input_shape"]))
-
-    def predict(x):
-        return serve(images=tf.constant(x))["probabilities"].numpy()
-
-    return dataset, tuple(meta["input_shape"][:2]), predict
 
 
 if __name__ == "__main__":

@@ -11,178 +11,17 @@ crash never leaves half a model; an existing version is replaced only with `--ov
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
+import argparse
 import sys
-import tempfile
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
-from owt_tf.cli import OneLineParser
+from owt_tf.cli import OneLineParser, fail
 
-EXPORT_SIGNATURE = "serving_default"
-
-
-class ExportError(ValueError):
-    """The export cannot be written as asked."""
+PROG = "python -m owt_tf.export"
 
 
-def versions(base: str) -> List[int]:
-    """The numbered versions under a model base path, lowest first."""
-    if not os.path.isdir(base):
-        return []
-    return sorted(int(d) for d in os.listdir(base)
-                  if d.isdigit() and os.path.isdir(os.path.join(base, d)))
-
-
-def version_path(base: str, version: Optional[int] = None, overwrite: bool = False) -> str:
-    """Where version `version` (default: one past the newest) of the model at `base` goes:
-    TF Serving's layout, `base/<version>/`, so a running server loads a new one by itself."""
-    if os.path.exists(base) and not os.path.isdir(base):
-        raise ExportError(f"--out {base} exists and is not a directory")
-    if version is None:
-        version = (versions(base) or [0])[-1] + 1
-    if version < 0:
-        raise ExportError(f"--version must be >= 0, got {version}")
-    path = os.path.join(base, str(version))
-    if os.path.exists(path) and not overwrite:
-        raise ExportError(f"{path} exists; pass --overwrite to replace version {version}")
-    return path
-
-
-def latest_version(path: str) -> str:
-    """An export directory itself, or a model base path's newest version."""
-    found = versions(path)
-    if found and not os.path.exists(os.path.join(path, "saved_model.pb")):
-        return os.path.join(path, str(found[-1]))
-    return path
-
-
-def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
-                          class_names: Optional[Sequence[str]] = None):
-    """A `keras.export.ExportArchive` of `model` on one device: the trunk cloned, the FC layers
-    as a one-shard ShardedHead (the same forward pass training and evaluation run).
-
-    Keras' own archive, not `tf.saved_model.save` of a module holding the trunk: the latter
-    stores each Keras 3 variable twice (read by the function under its Keras path, restored
-    as `Variable_N`), which `tf.saved_model.load` reconciles but the TF1/C++ loader of TF
-    Serving and `saved_model_cli run` do not (keras-team/keras#20095,
-    tensorflow/tensorflow#72963, tensorflow/serving#2226); TFLite then also keeps the trunk
-    as uninitialised variables and returns NaN.
-    """
-    import keras
-    import tensorflow as tf
-
-    from owt_tf.data.preprocess import eval_preprocess
-    from owt_tf.parallel.shards import ShardedHead
-
-    spec = model.spec
-    trunk = keras.models.clone_model(model.trunk)
-    trunk.set_weights(model.trunk.get_weights())
-    head = ShardedHead(spec.head, model.full_weights()["head"], [None])
-    height, width, channels = spec.input_shape
-    classes = spec.head.num_classes
-    names = list(class_names) if class_names else [str(i) for i in range(classes)]
-    if len(names) != classes:
-        raise ExportError(f"{len(names)} class names for {classes} classes")
-    label_names = tf.constant(names)
-
-    def serve(images):
-        x = eval_preprocess(images, (height, width), mean, std)
-        logits = head.forward(trunk(x, training=False), 0, False, None)[:, :classes]
-        probabilities = tf.nn.softmax(logits)
-        top5 = tf.math.top_k(probabilities, k=min(5, classes)).indices
-        return {"probabilities": probabilities, "top5": tf.cast(top5, tf.int64),
-                "top5_names": tf.gather(label_names, top5)}
-
-    archive = keras.export.ExportArchive()
-    archive.track(trunk)
-    archive.track(head)
-    # The whole FC layers, [kernel0, bias0, kernel1, ...], for readers of the SavedModel.
-    archive.add_variable_collection("fc_layers", [v for layer in head.layers
-                                                  for v in layer.shard_variables(0)])
-    archive.add_endpoint(EXPORT_SIGNATURE, serve, input_signature=[
-        tf.TensorSpec([None, None, None, channels], tf.uint8, name="images")])
-    return archive
-
-
-def _make_readable(path: str, files: bool = True) -> None:
-    """Directories 0777 and files 0666 less the umask (mkdtemp made the staging dir 0700,
-    which a serving account could not read)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    if not files:
-        os.chmod(path, 0o777 & ~umask)
-        return
-    for root, _, names in os.walk(path):
-        os.chmod(root, 0o777 & ~umask)
-        for name in names:
-            os.chmod(os.path.join(root, name), 0o666 & ~umask)
-
-
-def export_saved_model(model, mean: Sequence[float], std: Sequence[float], base: str,
-                       overwrite: bool = False, dataset: Optional[str] = None,
-                       class_names: Optional[Sequence[str]] = None,
-                       version: Optional[int] = None) -> str:
-    """Writes the SavedModel of `model` (a DistributedModel) as `base/<version>/`, atomically
-    (staged under `base` in a directory TF Serving ignores, then renamed). Returns its path."""
-    out = os.path.abspath(version_path(base, version, overwrite))
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    _make_readable(parent, files=False)
-    archive = build_serving_archive(model, mean, std, class_names)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
-        archive.write_out(staging, verbose=False)
-        with open(os.path.join(staging, "owt_tf_export.json"), "w") as f:
-            json.dump({"model": model.spec.name, "num_classes": model.spec.head.num_classes,
-                       "input_shape": list(model.spec.input_shape), "dataset": dataset,
-                       "class_names": list(class_names or []) or None,
-                       "mean": list(mean),
-                       "std": list(std)}, f, indent=1)
-        _make_readable(staging)
-        if os.path.exists(out):
-            retired = out + ".old-" + os.path.basename(staging)
-            os.replace(out, retired)
-            os.replace(staging, out)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
-
-
-def load_run(logdir: str):
-    """A Trainer on one device restored from the latest checkpoint in `logdir`."""
-    from owt_tf.config import RunConfig
-    from owt_tf.training.checkpoint import CONFIG_FILE
-
-    path = os.path.join(logdir, CONFIG_FILE)
-    if not os.path.exists(path):
-        raise ExportError(f"--logdir {logdir} has no {CONFIG_FILE}: not an owt_tf run")
-    with open(path) as f:
-        saved = json.load(f)
-    fields = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
-    # One device in this process, whatever the run was (several workers included); the
-    # run's own export target is not this export's.
-    config = RunConfig(**fields).replace(scheme="single", devices=1, fc_batch="global",
-                                         fc_exchange="gather", loss="gathered", logdir=logdir,
-                                         batch_size=min(64, fields.get("batch_size", 64)),
-                                         cluster=None, task_index=None, export_dir=None)
-    from owt_tf.training.loop import Trainer
-
-    trainer = Trainer(config, read_only=True)  # reads only: no lock, damaged ones left in place
-    if trainer.resumed_from is None:
-        raise ExportError(f"--logdir {logdir} has no checkpoint")
-    return trainer
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    from owt_tf.training.checkpoint import NoReadableCheckpoint
-
-    parser = OneLineParser(prog="python -m owt_tf.export", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, description=__doc__)
     parser.add_argument("--logdir", required=True, help="the run directory to export")
     parser.add_argument("--out", required=True,
                         help="the model base path: the SavedModel goes to OUT/<version>/")
@@ -190,17 +29,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the version number (default: one past the newest under --out)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --version")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    from owt_tf.training.checkpoint import NoReadableCheckpoint
+    from owt_tf.training.runs import export_run
+    from owt_tf.training.serving import ExportError, version_path
+
     try:
         version_path(args.out, args.version, args.overwrite)  # refused before any work
-        trainer = load_run(args.logdir)
-        path = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
-                                  args.out, args.overwrite, trainer.config.dataset,
-                                  trainer.dataset.label_names(), args.version)
+        checkpoint, path = export_run(args.logdir, args.out, args.version, args.overwrite)
     except (ExportError, NoReadableCheckpoint) as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
-    print(f"exported {trainer.resumed_from} to {path}")
+        return fail(PROG, err)
+    print(f"exported {checkpoint} to {path}")
     return 0
 
 

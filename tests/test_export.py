@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from owt_tf.config import RunConfig
-from owt_tf.export import ExportError, export_saved_model
+from owt_tf.training.serving import ExportError, export_saved_model
 from owt_tf.training.loop import Trainer
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
@@ -116,7 +116,7 @@ def test_evaluate_cli_reports_the_runs_validation_error(trained, tmp_path):
 
 
 def test_ten_crop_views():
-    from owt_tf.evaluate import ten_crops
+    from owt_tf.training.evaluation import ten_crops
 
     images = np.arange(2 * 5 * 6 * 1).reshape(2, 5, 6, 1)
     crops = ten_crops(images, (3, 4))

@@ -26,6 +26,7 @@ from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from owt_tf.training.optim import build_optimizer
 from owt_tf.training.rundir import RunDirLock
+from owt_tf.training.serving import export_saved_model
 from owt_tf.training.guard import (Interrupted, NonFiniteError, SignalStop, StepSnapshot,
                                    WorkerLost, first_nonfinite, is_peer_failure)
 from owt_tf.training.summaries import RunSummaries
@@ -328,8 +329,6 @@ class Trainer:
         if not self.hybrid.is_chief:
             self.model.full_weights()
             return
-        from owt_tf.export import export_saved_model
-
         path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
                                   self.config.export_dir, dataset=self.config.dataset,
                                   class_names=self.dataset.label_names())

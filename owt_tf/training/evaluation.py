@@ -1,0 +1,59 @@
+"""Top-1 and top-5 error of a model given as `predict(uint8 images) -> probabilities`: on
+the center crop, or AlexNet 2012's ten crops (four corners, the center and their mirror
+images, softmax averaged).
+"""
+from __future__ import annotations
+
+from typing import Callable, List
+
+import numpy as np
+
+
+def ten_crops(images: np.ndarray, size) -> List[np.ndarray]:
+    """Corner and center crops of `size` and their horizontal mirrors (needs larger images)."""
+    h, w = size
+    big_h, big_w = images.shape[1:3]
+    offsets = [(0, 0), (0, big_w - w), (big_h - h, 0), (big_h - h, big_w - w),
+               ((big_h - h) // 2, (big_w - w) // 2)]
+    crops = [images[:, t:t + h, l:l + w] for t, l in offsets]
+    return crops + [c[:, :, ::-1] for c in crops]
+
+
+def upscale_for_ten_crop(images: np.ndarray, size) -> np.ndarray:
+    """Images resized so that the shorter side is size*256/224, as AlexNet's 256 for 224."""
+    import tensorflow as tf
+
+    h, w = size
+    target = (int(round(h * 256 / 224)), int(round(w * 256 / 224)))
+    resized = tf.image.resize(tf.cast(images, tf.float32), target, method="bilinear")
+    return np.clip(np.rint(resized.numpy()), 0, 255).astype(np.uint8)
+
+
+def error_rates(probabilities: np.ndarray, labels: np.ndarray) -> dict:
+    order = np.argsort(-probabilities, axis=1)
+    top1 = order[:, 0] == labels
+    top5 = (order[:, :5] == labels[:, None]).any(axis=1)
+    return {"top1_error": float(1 - top1.mean()), "top5_error": float(1 - top5.mean()),
+            "examples": int(len(labels))}
+
+
+def evaluate_probabilities(predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray,
+                           labels: np.ndarray, size, ten_crop: bool, batch: int = 256) -> dict:
+    """`predict(uint8 images) -> probabilities`, center crop or averaged over ten crops."""
+    def batched(x):
+        return np.concatenate([predict(x[i:i + batch]) for i in range(0, len(x), batch)])
+
+    if not ten_crop:
+        return error_rates(batched(images), labels)
+    views = ten_crops(upscale_for_ten_crop(images, size), size)
+    return error_rates(np.mean([batched(v) for v in views], axis=0), labels)
+
+
+def softmax_predictor(trainer) -> Callable[[np.ndarray], np.ndarray]:
+    """`predict(uint8 images) -> probabilities` of a Trainer's model."""
+    def predict(x):
+        logits = trainer.predict_logits(x)
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
+    return predict

@@ -1,0 +1,47 @@
+"""A run directory read back: a one-device Trainer restored from its latest checkpoint (what
+`python -m owt_tf.evaluate --logdir` scores and `python -m owt_tf.export` writes out).
+
+Whatever the run was (K devices, several workers, any scheme), it is restored on one
+device of this process, read-only: no lock taken, damaged checkpoints left in place.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Tuple
+
+from owt_tf.config import RunConfig
+from owt_tf.training.checkpoint import CONFIG_FILE
+from owt_tf.training.loop import Trainer
+from owt_tf.training.serving import ExportError, export_saved_model
+
+
+def load_run(logdir: str) -> Trainer:
+    """A Trainer on one device restored from the latest checkpoint in `logdir`."""
+    path = os.path.join(logdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise ExportError(f"--logdir {logdir} has no {CONFIG_FILE}: not an owt_tf run")
+    with open(path) as f:
+        saved = json.load(f)
+    fields = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
+    # One device in this process, whatever the run was (several workers included); the
+    # run's own export target is not this export's.
+    config = RunConfig(**fields).replace(scheme="single", devices=1, fc_batch="global",
+                                         fc_exchange="gather", loss="gathered", logdir=logdir,
+                                         batch_size=min(64, fields.get("batch_size", 64)),
+                                         cluster=None, task_index=None, export_dir=None)
+    trainer = Trainer(config, read_only=True)  # reads only: no lock, damaged ones left in place
+    if trainer.resumed_from is None:
+        raise ExportError(f"--logdir {logdir} has no checkpoint")
+    return trainer
+
+
+def export_run(logdir: str, base: str, version: Optional[int] = None,
+               overwrite: bool = False) -> Tuple[str, str]:
+    """The latest checkpoint of the run in `logdir` as the SavedModel `base/<version>/`.
+    Returns (the checkpoint exported, the SavedModel's path)."""
+    trainer = load_run(logdir)
+    path = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
+                              base, overwrite, trainer.config.dataset,
+                              trainer.dataset.label_names(), version)
+    return trainer.resumed_from, path
