@@ -1,0 +1,78 @@
+"""Dependencies point one way: entry points -> training -> parallel -> models / data.
+
+Read with `ast` (nothing is imported), so function-level imports count too.
+"""
+import ast
+from pathlib import Path
+from typing import Iterator, Tuple
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "owt_tf"
+LIBRARY = ("parallel", "training", "models", "data")
+ENTRY_POINTS = ("train", "evaluate", "export", "bench", "plan", "study", "launch")
+FORBIDDEN = {f"owt_tf.{name}" for name in ENTRY_POINTS}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path = PACKAGE.parent) -> Iterator[Tuple[int, str]]:
+    """(line, module) for every import in the file under `root`, at any depth, relative ones
+    resolved; `from owt_tf import train` yields owt_tf.train."""
+    package = _module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package[:len(package) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            yield node.lineno, base
+            for alias in node.names:
+                yield node.lineno, f"{base}.{alias.name}"
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            yield node.lineno, node.args[0].value
+
+
+def entry_point_imports(path: Path):
+    return [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
+            for line, module in imported_modules(path) if module in FORBIDDEN]
+
+
+@pytest.mark.parametrize("folder", LIBRARY)
+def test_the_library_imports_no_entry_point(folder):
+    files = sorted((PACKAGE / folder).rglob("*.py"))
+    assert files
+    found = [hit for path in files for hit in entry_point_imports(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_check_sees_every_kind_of_import(tmp_path):
+    pkg = tmp_path / "owt_tf" / "training"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    source = pkg / "bad.py"
+    cases = {
+        "import owt_tf.train": "owt_tf.train",
+        "from owt_tf.export import export_saved_model": "owt_tf.export",
+        "def f():\n    from owt_tf import plan": "owt_tf.plan",
+        "from .. import study": "owt_tf.study",
+        "from ..bench import main": "owt_tf.bench",
+        "importlib.import_module('owt_tf.launch')": "owt_tf.launch",
+    }
+    for code, module in cases.items():
+        source.write_text(code + "\n")
+        modules = {m for _, m in imported_modules(source, tmp_path)}
+        assert module in modules, code
+    source.write_text("from owt_tf.training.serving import export_saved_model\n")
+    assert not FORBIDDEN & {m for _, m in imported_modules(source, tmp_path)}
+
