@@ -6,7 +6,8 @@ The same runs check the byte ledger against the closed-form traffic formula, exa
 import pytest
 
 from engine_harness import compare_with_reference
-from owt_tf import plan
+from owt_tf.models.cost import network_cost
+from owt_tf.parallel import cost_model
 from owt_tf.parallel import traffic
 
 TOL = 1e-5
@@ -69,8 +70,9 @@ def _check_against_reference(devices, model, scheme, k, batch, fc_batch, fc_exch
     if k > 1:
         assert ledger.total > 0
     # the planner prices the same bytes, from the Keras model it reads itself
-    net = plan.network_cost(model, spec.head.num_classes)
-    predicted = plan.predict(net, plan.preset("k20-pcie"), scheme, k, batch, fc_batch, fc_exchange, loss)
+    net = network_cost(model, spec.head.num_classes)
+    predicted = cost_model.predict(net, cost_model.preset("k20-pcie"), scheme, k, batch, fc_batch,
+                                   fc_exchange, loss)
     assert predicted.bytes_per_step == float(ledger.total)
 
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from owt_tf import plan
+from owt_tf.models.cost import network_cost
+from owt_tf.parallel import cost_model
 from owt_tf.parallel import collectives as coll
 
 PAPER_SPEEDUPS = {(2, "owt-a"): 1.95, (2, "owt-c"): 1.93, (4, "owt-a"): 3.74, (4, "owt-c"): 3.66,
@@ -19,7 +20,7 @@ PAPER_SPEEDUPS = {(2, "owt-a"): 1.95, (2, "owt-c"): 1.93, (4, "owt-a"): 3.74, (4
 
 @pytest.fixture(scope="module")
 def alexnet():
-    return plan.network_cost("alexnet", 1000)
+    return network_cost("alexnet", 1000)
 
 
 def test_alexnet_layer_costs_match_a_hand_count(alexnet):
@@ -42,8 +43,8 @@ def test_alexnet_layer_costs_match_a_hand_count(alexnet):
 
 
 def test_paper_table_speedups_within_ten_percent(alexnet):
-    hw = plan.preset("k20-pcie")
-    rows = plan.paper_rows(alexnet, hw)
+    hw = cost_model.preset("k20-pcie")
+    rows = cost_model.paper_rows(alexnet, hw)
     assert {(r["devices"], r["scheme"]): r["paper"] for r in rows} == PAPER_SPEEDUPS
     for r in rows:
         assert abs(r["error"]) < 0.10, r
@@ -51,38 +52,38 @@ def test_paper_table_speedups_within_ten_percent(alexnet):
 
 def test_k20_preset_reproduces_the_one_gpu_time(alexnet):
     """The only number taken from the paper's table: the 1-GPU row sets the sustained FLOP/s."""
-    hw = plan.preset("k20-pcie")
-    single = plan.predict(alexnet, hw, "single", 1, 128)
-    steps = plan.PAPER_EPOCHS * plan.ILSVRC_TRAIN_IMAGES / 128
-    assert single.step_time_s * steps / 3600 == pytest.approx(plan.PAPER_ONE_GPU_HOURS, rel=1e-9)
-    assert 0 < hw.flops < plan.K20_PEAK_FLOPS
+    hw = cost_model.preset("k20-pcie")
+    single = cost_model.predict(alexnet, hw, "single", 1, 128)
+    steps = cost_model.PAPER_EPOCHS * cost_model.ILSVRC_TRAIN_IMAGES / 128
+    assert single.step_time_s * steps / 3600 == pytest.approx(cost_model.PAPER_ONE_GPU_HOURS, rel=1e-9)
+    assert 0 < hw.flops < cost_model.K20_PEAK_FLOPS
 
 
 def test_only_the_round_schemes_overlap_exchange_with_fc_work(alexnet):
-    hw = plan.preset("k20-pcie")
+    hw = cost_model.preset("k20-pcie")
     for scheme in ("data", "owt-a", "owt-b", "owt-c"):
-        p = plan.predict(alexnet, hw, scheme, 4, 128)
+        p = cost_model.predict(alexnet, hw, scheme, 4, 128)
         assert (p.hidden_s > 0) == (scheme in ("owt-b", "owt-c"))
         assert p.hidden_s <= p.communication_s
 
 
 def test_shared_link_serializes_the_workers(alexnet):
-    hw = plan.preset("k20-pcie")
-    switched = plan.Hardware(**{**hw.__dict__, "shared_link": False, "latency": 0.0})
-    shared = plan.Hardware(**{**hw.__dict__, "latency": 0.0})
-    a = plan.predict(alexnet, switched, "data", 8, 128)
-    b = plan.predict(alexnet, shared, "data", 8, 128)
+    hw = cost_model.preset("k20-pcie")
+    switched = cost_model.Hardware(**{**hw.__dict__, "shared_link": False, "latency": 0.0})
+    shared = cost_model.Hardware(**{**hw.__dict__, "latency": 0.0})
+    a = cost_model.predict(alexnet, switched, "data", 8, 128)
+    b = cost_model.predict(alexnet, shared, "data", 8, 128)
     assert b.communication_s == pytest.approx(8 * a.communication_s)
     assert a.communication_s == pytest.approx(a.bytes_per_step / hw.link_bandwidth)
 
 
 def test_alternatives_priced_from_the_same_primitives(alexnet):
-    hw = plan.preset("k20-pcie")
-    data = plan.predict(alexnet, hw, "data", 4, 128)
-    ps = plan.predict_alternative(alexnet, hw, "async-ps", 4, 128)
+    hw = cost_model.preset("k20-pcie")
+    data = cost_model.predict(alexnet, hw, "data", 4, 128)
+    ps = cost_model.predict_alternative(alexnet, hw, "async-ps", 4, 128)
     assert ps.bytes_per_step == data.bytes_per_step  # push + pull of 1/K shards = an all-reduce
-    mp2 = plan.predict_alternative(alexnet, hw, "model-parallel", 2, 128)
-    grouped2 = plan.predict_alternative(alexnet, hw, "grouped-hybrid", 2, 128)
+    mp2 = cost_model.predict_alternative(alexnet, hw, "model-parallel", 2, 128)
+    grouped2 = cost_model.predict_alternative(alexnet, hw, "grouped-hybrid", 2, 128)
     assert grouped2.bytes_per_step == mp2.bytes_per_step  # one group of two is model parallel
     # model parallel over 2 devices moves every layer boundary once each way for 256 rows
     boundaries = [27 * 27 * 64, 13 * 13 * 192, 13 * 13 * 384, 13 * 13 * 256, 9216, 4096, 4096, 1000]
@@ -90,17 +91,17 @@ def test_alternatives_priced_from_the_same_primitives(alexnet):
                for f in boundaries)
     assert mp2.bytes_per_step == float(want)
     # the paper's point: with K=8 the hybrid beats every alternative that keeps synchronous SGD
-    owt = plan.predict(alexnet, hw, "owt-c", 8, 128)
+    owt = cost_model.predict(alexnet, hw, "owt-c", 8, 128)
     for name in ("model-parallel", "grouped-hybrid"):
-        assert owt.step_time_s < plan.predict_alternative(alexnet, hw, name, 8, 128).step_time_s
-    assert owt.step_time_s < plan.predict(alexnet, hw, "data", 8, 128).step_time_s
+        assert owt.step_time_s < cost_model.predict_alternative(alexnet, hw, name, 8, 128).step_time_s
+    assert owt.step_time_s < cost_model.predict(alexnet, hw, "data", 8, 128).step_time_s
 
 
 def test_recommend_is_the_fastest_option(alexnet):
-    hw = plan.preset("h100-nvlink")
-    best = plan.recommend(alexnet, hw, 8, 128)
+    hw = cost_model.preset("h100-nvlink")
+    best = cost_model.recommend(alexnet, hw, 8, 128)
     for scheme in ("data", "owt-a", "owt-b", "owt-c"):
-        assert best.step_time_s <= plan.predict(alexnet, hw, scheme, 8, 128).step_time_s
+        assert best.step_time_s <= cost_model.predict(alexnet, hw, scheme, 8, 128).step_time_s
     assert best.flags.startswith(f"--scheme {best.scheme} --devices 8")
 
 

@@ -10,31 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
+from owt_tf.models.cost import NetworkShape
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.shards import COL, ROW, padded, split_plan
 
 F32 = 4
 I32 = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class NetworkShape:
-    """What traffic depends on: trunk parameters, trunk output width, FC widths, classes."""
-
-    trunk_params: int
-    features: int
-    hidden: Sequence[int]
-    num_classes: int
-
-    @property
-    def fc_params(self) -> int:
-        total, fan_in = 0, self.features
-        for w in list(self.hidden) + [self.num_classes]:
-            total += fan_in * w + w
-            fan_in = w
-        return total
 
 
 _gather = coll.all_gather_cost

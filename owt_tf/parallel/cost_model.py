@@ -1,0 +1,344 @@
+"""The cost model: a step's time per scheme on given hardware, from first principles and
+nothing fitted per scheme or per K.
+
+* compute: the per-layer FLOPs of owt_tf.models.cost at the device's sustained FLOP/s, plus
+  the memory traffic of the element-wise layers (ReLU, pooling, response norm: read and
+  write their output forward and backward) and of the SGD update (read weight, gradient,
+  momentum; write momentum, weight: 20 bytes per fp32 parameter) at its memory bandwidth;
+* communication: the bytes of every collective, from the same closed form the byte ledger
+  of real steps is tested against (owt_tf.parallel.traffic), over the link bandwidth, plus
+  a fixed latency per collective launch. On a `shared` link (a PCIe tree through the host,
+  or logical devices in one memory) all K workers' bytes cross one link one after another;
+  on a switched fabric (NVSwitch) every worker has its own;
+* overlap: in owt-b and owt-c the exchange of round r+1's activations runs while round r's
+  FC layers compute (a two-stage pipeline); everything else is serial, as in the engine.
+
+Also here: the hardware presets (datasheet figures; the K20's sustained FLOP/s from the
+paper's 1-GPU row; `cpu` measured on this machine), the seed papers' alternatives priced
+with the same primitives, the fastest configuration per K, and the paper's Table 1
+speedups predicted. `python -m owt_tf.plan` prints all of it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Dict, List, Sequence
+
+from owt_tf.models.cost import NetworkCost, network_cost
+from owt_tf.parallel.plan import FC_EXCHANGES, LOSS_MODES
+
+# owt_tf.parallel's collectives (and with them TensorFlow) are imported inside the functions
+# that price, so that `python -m owt_tf.plan` rejects bad flags before TensorFlow loads.
+
+F32 = 4
+SGD_BYTES_PER_PARAM = 20  # read w, g, m; write m, w (fp32)
+ELEMENTWISE_PASSES = 4  # write forward output, read it back, write and read its gradient
+OWT_SCHEMES = ("data", "owt-a", "owt-b", "owt-c")
+ALTERNATIVES = ("model-parallel", "async-ps", "grouped-hybrid")
+GROUP = 2  # Yadan et al.: model parallel within pairs of GPUs
+
+# The paper's 1-GPU row (docs/paper.md): 98.05 h of cuda-convnet2 on a K20 for the 1-worker run of the
+# one-tower AlexNet. The epoch count is not in docs/paper.md; 90 epochs of ILSVRC-2012's
+# 1,281,167 training images is AlexNet's and torchvision's recipe (an assumption, stated).
+PAPER_ONE_GPU_HOURS = 98.05
+PAPER_EPOCHS = 90
+ILSVRC_TRAIN_IMAGES = 1_281_167
+K20_PEAK_FLOPS = 3.52e12  # Tesla K20 board specification (BD-06455): 3.52 TFLOP/s fp32 peak
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What the cost model needs to know about a machine. Rates per device, bytes/s, seconds."""
+
+    name: str
+    flops: float  # sustained fp32 FLOP/s of one device
+    memory_bandwidth: float
+    link_bandwidth: float  # one direction
+    latency: float  # per collective launch
+    shared_link: bool  # all workers' traffic crosses one link (PCIe tree via the host)
+    shared_compute: bool = False  # devices share the same cores (logical CPU devices)
+    source: str = ""
+
+
+@functools.lru_cache(maxsize=None)
+def _k20_sustained_flops() -> float:
+    """FLOP/s at which cuda-convnet2 ran on a K20: the paper's (docs/paper.md) 1-GPU row, priced with this model."""
+    net = network_cost("alexnet", 1000)
+    steps = PAPER_EPOCHS * ILSVRC_TRAIN_IMAGES / 128
+    step_s = PAPER_ONE_GPU_HOURS * 3600 / steps
+    memory_s = _memory_seconds(net, 128, 208e9) + _update_seconds(net.params, 208e9)
+    return 128 * net.train_flops / (step_s - memory_s)
+
+
+def _gpu_utilization() -> float:
+    """The fraction of peak the paper's run reached; applied to the newer GPUs' peaks too."""
+    return _k20_sustained_flops() / K20_PEAK_FLOPS
+
+
+def preset(name: str, devices: int = 8) -> Hardware:
+    """A named machine. Every number is a datasheet figure or derived from docs/paper.md (see README)."""
+    if name == "k20-pcie":
+        return Hardware(
+            name, flops=_k20_sustained_flops(), memory_bandwidth=208e9,
+            # The K20's interface is PCIe Gen2 x16 (board spec BD-06455), so in a PCIe 3.0
+            # host the link trains at Gen2: 5 GT/s x 16 lanes x 8/10 = 8 GB/s each way.
+            link_bandwidth=8e9, latency=10e-6, shared_link=True,
+            source="Tesla K20 board spec: 3.52 TFLOP/s peak, 208 GB/s, PCIe Gen2 x16; sustained "
+                   "FLOP/s from the paper's (docs/paper.md) 1-GPU row (98.05 h, 90 epochs); ~10 us per transfer")
+    if name in ("h100-nvlink", "h200-nvlink"):
+        memory = 3.35e12 if name == "h100-nvlink" else 4.8e12
+        return Hardware(
+            name, flops=67e12 * _gpu_utilization(), memory_bandwidth=memory,
+            link_bandwidth=450e9, latency=5e-6, shared_link=False,
+            source=f"{name.split('-')[0].upper()} SXM datasheet: 67 TFLOP/s fp32 (no tensor cores) at "
+                   f"the K20 run's utilization, {memory / 1e12:.2f} TB/s HBM, NVLink 4 900 GB/s "
+                   "both ways through NVSwitch; ~5 us per collective (NCCL small-message latency)")
+    if name == "cpu":
+        return measure_cpu(devices)
+    raise ValueError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE_NAMES)}")
+
+
+HARDWARE_NAMES = ("k20-pcie", "h100-nvlink", "h200-nvlink", "cpu")
+
+
+def measure_cpu(devices: int) -> Hardware:
+    """This machine's CPU, measured now: matmul FLOP/s, copy bandwidth, and an all-reduce
+    over `devices` logical CPU devices for the collective bandwidth and per-launch latency."""
+    from owt_tf.parallel import collectives as coll
+
+    from owt_tf.devices import logical_cpu_devices, make_strategy
+
+    import tensorflow as tf
+
+    names = logical_cpu_devices(max(devices, 2))
+    a = tf.random.normal([1024, 1024])
+    flops = 2 * 1024 ** 3 / _best_seconds(lambda: tf.matmul(a, a).numpy())
+    big = tf.random.normal([16 * 1024 * 1024])
+    memory = 2 * 4 * big.shape[0] / _best_seconds(lambda: (big + 1.0).numpy())
+    strategy = make_strategy(names[:max(devices, 2)])
+    k = strategy.num_replicas_in_sync
+
+    def all_reduce_seconds(n: int) -> float:
+        x = strategy.run(lambda: tf.ones([n]))
+
+        @tf.function
+        def reduce(v):
+            return strategy.run(lambda t: tf.distribute.get_replica_context().all_reduce("sum", t),
+                                args=(v,))
+        return _best_seconds(lambda: strategy.experimental_local_results(reduce(x))[0].numpy())
+
+    latency = all_reduce_seconds(1)
+    n = 4 * 1024 * 1024
+    bandwidth = float(coll.all_reduce_cost(n * F32, k)) * k / max(all_reduce_seconds(n) - latency, 1e-9)
+    return Hardware("cpu", flops=flops, memory_bandwidth=memory, link_bandwidth=bandwidth,
+                    latency=latency, shared_link=True, shared_compute=True,
+                    source=f"measured on this machine: 1024^2 matmul, 64 MB add, all-reduce of 4 B "
+                           f"and 16 MB over {k} logical CPU devices")
+
+
+def _best_seconds(fn, repeats: int = 5) -> float:
+    fn()  # warm up (tracing, allocation)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@dataclasses.dataclass
+class Prediction:
+    """One priced configuration (a row of the table, a record of --json)."""
+
+    scheme: str
+    devices: int
+    batch_size: int
+    fc_batch: int
+    fc_exchange: str
+    loss: str
+    step_time_s: float
+    images_per_sec: float
+    speedup: float
+    bytes_per_step: float  # per worker
+    compute_s: float
+    communication_s: float
+    hidden_s: float  # communication overlapped with FC compute
+
+    @property
+    def flags(self) -> str:
+        if self.scheme not in OWT_SCHEMES and self.scheme != "single":
+            return "(not in owt_tf)"
+        if self.scheme == "single":
+            return f"--scheme single --devices 1 --batch-size {self.devices * self.batch_size}"
+        fc_batch = "worker" if self.fc_batch == self.batch_size else "global"
+        flags = f"--scheme {self.scheme} --devices {self.devices} --batch-size {self.batch_size}"
+        if self.scheme in ("owt-b", "owt-c"):
+            flags += f" --fc-batch {fc_batch}"
+        if self.scheme not in ("data", "single"):
+            flags += f" --fc-exchange {self.fc_exchange} --loss {self.loss}"
+        return flags
+
+
+def _memory_seconds(net: NetworkCost, examples: int, bandwidth: float) -> float:
+    return ELEMENTWISE_PASSES * F32 * net.elementwise_floats * examples / bandwidth
+
+
+def _update_seconds(params: float, bandwidth: float) -> float:
+    return SGD_BYTES_PER_PARAM * params / bandwidth
+
+
+def _link_seconds(nbytes: float, calls: int, k: int, hw: Hardware) -> float:
+    crossing = k if hw.shared_link else 1
+    return float(nbytes) * crossing / hw.link_bandwidth + calls * hw.latency
+
+
+def _single_seconds(net: NetworkCost, examples: int, hw: Hardware) -> float:
+    return (examples * net.train_flops / hw.flops + _memory_seconds(net, examples, hw.memory_bandwidth)
+            + _update_seconds(net.params, hw.memory_bandwidth))
+
+
+def _result(scheme, k, b, fc_batch, fc_exchange, loss, compute, comm, hidden, nbytes, baseline):
+    step = compute + comm - hidden
+    return Prediction(scheme, k, b, fc_batch, fc_exchange, loss, step, k * b / step, baseline / step,
+                      float(nbytes), compute, comm, hidden)
+
+
+def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int,
+            fc_batch: str = "worker", fc_exchange: str = "gather", loss: str = "gathered") -> Prediction:
+    """Step time of one owt_tf scheme (or `single`: one device, global batch) at K devices."""
+    from owt_tf.parallel import collectives as coll, traffic
+
+    b = batch_size
+    baseline = _single_seconds(net, k * b, hw)
+    if scheme == "single" or k == 1:
+        return _result("single", k, b, k * b, fc_exchange, loss, baseline, 0.0, 0.0, 0, baseline)
+    share = k if hw.shared_compute else 1  # logical devices queue for the same cores
+    mem = hw.memory_bandwidth / share
+    conv = b * net.conv_train_flops / hw.flops * share + _memory_seconds(net, b, mem)
+    fc = b * net.fc_train_flops / hw.flops * share  # 1/K of the FC layers on K*B rows, or all on B
+    trunk_update = _update_seconds(net.shape.trunk_params, mem)
+    transfers = traffic.step_transfers(net.shape, scheme, k, b, fc_exchange, loss)
+    nbytes = sum(t.nbytes for t in transfers)
+    seconds = {t.purpose: _link_seconds(t.nbytes, t.calls, k, hw) for t in transfers}
+    comm = sum(seconds.values())
+    if scheme == "data":
+        compute = conv + fc + trunk_update + _update_seconds(net.shape.fc_params, mem)
+        return _result(scheme, k, b, b, "gather", "gathered", compute, comm, 0.0, nbytes, baseline)
+    rounds = k if scheme in ("owt-b", "owt-c") else 1
+    per_round_fc = k * b if scheme == "owt-a" else b
+    fc_updates = rounds if (fc_batch == "worker" and rounds > 1) else 1
+    fc_update = fc_updates * _update_seconds(net.shape.fc_params / k, mem)
+    compute = conv + fc + trunk_update + fc_update
+    hidden = 0.0
+    if rounds > 1:
+        # two-stage pipeline: exchange of round r+1 under the FC work of round r
+        a = seconds[coll.ACTIVATIONS] / rounds
+        f = (fc + fc_update + seconds[coll.FC_EXCHANGE] + seconds[coll.LOGITS]) / rounds
+        hidden = (rounds - 1) * min(a, f)
+    return _result(scheme, k, b, per_round_fc, fc_exchange, loss, compute, comm, hidden, nbytes, baseline)
+
+
+def _model_parallel_exchange(net: NetworkCost, g: int, rows: int) -> tuple:
+    """Bytes and launches per device to split every layer over g devices by output channels:
+    the input of every weight layer after the first is all-gathered forward and its gradient
+    reduce-scattered backward (rows examples), and so are the logits for the loss."""
+    from owt_tf.parallel import collectives as coll
+
+    boundaries = _pooled_boundaries(net) + [l.outputs for l in net.layers if l.kind == "fc"]
+    nbytes, calls = 0, 0
+    for floats in boundaries:
+        block = rows * floats * F32
+        nbytes += coll.all_gather_cost(block // g, g) + coll.reduce_scatter_cost(block, g)
+        calls += 2
+    return nbytes, calls
+
+
+def _pooled_boundaries(net: NetworkCost) -> List[int]:
+    """Floats per example entering each weight layer after the first one of the trunk, and the head."""
+    sizes, current = [], None
+    for l in net.layers:
+        if l.kind == "conv":
+            if current is not None:
+                sizes.append(current)
+            current = l.outputs
+        elif l.kind == "elementwise" and current is not None:
+            current = l.outputs  # pooling / norm after the conv: the next layer reads this
+        elif l.kind == "fc":
+            break
+    sizes.append(net.shape.features)
+    return sizes
+
+
+def predict_alternative(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int) -> Prediction:
+    """The seed papers' alternatives at K devices and the same global batch B*K."""
+    from owt_tf.parallel import collectives as coll
+
+    b = batch_size
+    baseline = _single_seconds(net, k * b, hw)
+    share = k if hw.shared_compute else 1
+    mem = hw.memory_bandwidth / share
+    work = b * net.train_flops / hw.flops * share + _memory_seconds(net, b, mem)
+    if scheme == "model-parallel":
+        nbytes, calls = _model_parallel_exchange(net, k, k * b)
+        compute = work + _update_seconds(net.params / k, mem)
+        comm = _link_seconds(nbytes, calls, k, hw)
+        return _result(scheme, k, b, k * b, "-", "-", compute, comm, 0.0, nbytes, baseline)
+    if scheme == "async-ps":
+        # parameters sharded over the K devices: push gradients to, pull weights from each shard
+        nbytes = coll.all_reduce_cost(net.params * F32, k)
+        compute = work + _update_seconds(net.params, mem)
+        comm = _link_seconds(nbytes, 2, k, hw)
+        return _result(scheme, k, b, b, "-", "-", compute, comm, min(comm, compute), nbytes, baseline)
+    if scheme == "grouped-hybrid":
+        g = min(GROUP, k)
+        groups = k // g
+        mp_bytes, mp_calls = _model_parallel_exchange(net, g, g * b)
+        dp_bytes = coll.all_reduce_cost(net.params // g * F32, groups) if groups > 1 else 0
+        nbytes = mp_bytes + dp_bytes
+        compute = work + _update_seconds(net.params / g, mem)
+        comm = _link_seconds(nbytes, mp_calls + (1 if groups > 1 else 0), k, hw)
+        return _result(scheme, k, b, g * b, "-", "-", compute, comm, 0.0, nbytes, baseline)
+    raise ValueError(f"unknown alternative {scheme!r}")
+
+
+def plan(net: NetworkCost, hw: Hardware, devices: Sequence[int], batch_size: int,
+         fc_batch: str = "worker", fc_exchange: str = "gather", loss: str = "gathered",
+         alternatives: bool = True) -> List[Prediction]:
+    """Every scheme (and alternative) at every K, in table order."""
+    rows = []
+    for k in devices:
+        rows.append(predict(net, hw, "single", k, batch_size))
+        if k == 1:
+            continue
+        for scheme in OWT_SCHEMES:
+            rows.append(predict(net, hw, scheme, k, batch_size, fc_batch, fc_exchange, loss))
+        if alternatives:
+            rows += [predict_alternative(net, hw, s, k, batch_size) for s in ALTERNATIVES]
+    return rows
+
+
+def recommend(net: NetworkCost, hw: Hardware, k: int, batch_size: int) -> Prediction:
+    """The fastest owt_tf configuration at K devices: scheme, FC batch, exchange and loss."""
+    options = [predict(net, hw, "single", k, batch_size)]
+    for scheme in OWT_SCHEMES:
+        fc_batches = ("worker", "global") if scheme in ("owt-b", "owt-c") else ("global",)
+        for fb in fc_batches:
+            for x in FC_EXCHANGES:
+                for loss in LOSS_MODES:
+                    if k > 1 and (scheme != "owt-c" or batch_size % k == 0):
+                        options.append(predict(net, hw, scheme, k, batch_size, fb, x, loss))
+    return min(options, key=lambda p: p.step_time_s)
+
+
+def paper_rows(net: NetworkCost, hw: Hardware) -> List[Dict[str, object]]:
+    """The paper's Table 1 multi-GPU rows (docs/paper.md), predicted: (128K, 128K) is owt-a, (128K, 128) owt-c."""
+    paper = {(2, "owt-a"): 1.95, (2, "owt-c"): 1.93, (4, "owt-a"): 3.74, (4, "owt-c"): 3.66,
+             (8, "owt-a"): 6.25, (8, "owt-c"): 6.16}
+    out = []
+    for (k, scheme), reported in paper.items():
+        p = predict(net, hw, scheme, k, 128, fc_batch="worker")
+        out.append({"devices": k, "scheme": scheme, "batch": f"({128 * k}, {p.fc_batch})",
+                    "predicted": p.speedup, "paper": reported,
+                    "error": p.speedup / reported - 1})
+    return out
