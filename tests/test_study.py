@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from owt_tf import study
+from owt_tf.experiments import study
 
 
 def _run(k, rule, scaling, seed, error, history=((1.0, 0.5), (2.0, 0.2))):

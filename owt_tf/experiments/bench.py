@@ -1,0 +1,334 @@
+"""`python -m owt_tf.bench`: schemes measured side by side, interleaved, in one process.
+
+Every configuration (scheme x K x jit) is built first and warmed up (traced, compiled);
+then timed steps go round-robin over all of them, so slow drift of the machine hits every
+configuration alike. Reported per configuration: median step time and images/s, bytes per
+worker per step from the byte ledger, and peak memory. `single` runs on one device with the
+same global batch as the K-device schemes it is compared with.
+
+`--count-only` traces each step without running it and reports the ledger's bytes: how the
+paper's AlexNet at K=8 is counted without K GPUs' worth of compute.
+
+`--input folder:PATH|tfds:NAME` times the input pipeline instead of the model: training
+batches (global batch B x max K, the model's input size) against bare decoding of the same
+records, in alternating rounds in one process; images/s and per core.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+from owt_tf.cli import OneLineParser
+from owt_tf.config import SCHEMES, ConfigError
+
+
+@dataclasses.dataclass
+class BenchRecord:
+    model: str
+    scheme: str
+    devices: int
+    batch_size: int  # per worker
+    global_batch: int
+    fc_batch: str
+    fc_exchange: str
+    loss: str
+    jit: bool
+    images_per_sec: Optional[float]
+    step_time_s: Optional[float]
+    bytes_per_step: float  # sent by one worker per step (it receives as many)
+    bytes_by_purpose: Dict[str, float]
+    # GPUs: the allocators' peak over the configuration's devices while it was built and
+    # warmed up. CPUs (no allocator statistics): growth of the process's peak RSS then.
+    peak_memory_bytes: Optional[int]
+
+
+def _parse_list(text: str, kind=str) -> List:
+    return [kind(part) for part in text.split(",") if part]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m owt_tf.bench", description=__doc__,
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="alexnet_tiny", help="alexnet, alexnet_tiny, vgg16 or vgg_tiny")
+    p.add_argument("--devices", default="4", help="comma-separated K values, e.g. 1,2,4,8")
+    p.add_argument("--schemes", default="single,data,owt-a,owt-b,owt-c",
+                   help="comma-separated schemes to measure side by side")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per worker (B)")
+    p.add_argument("--image-size", type=int, default=None, help="input side (none: the model's)")
+    p.add_argument("--classes", type=int, default=1000, help="classes of the last FC layer")
+    p.add_argument("--fc-batch", default="global", choices=("global", "worker"),
+                   help="as train's --fc-batch (owt-b, owt-c)")
+    p.add_argument("--fc-exchange", default="gather", choices=("gather", "colrow"),
+                   help="as train's --fc-exchange")
+    p.add_argument("--loss", default="gathered", choices=("gathered", "sharded"),
+                   help="as train's --loss")
+    p.add_argument("--jit", default="off", choices=("off", "on", "both"),
+                   help="XLA-compile the trunk: off, on, or both side by side")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
+    p.add_argument("--count-only", action="store_true", help="trace only: report bytes, no timing")
+    p.add_argument("--out", default=None, help="write the records as JSON here")
+    p.add_argument("--input", default=None, metavar="DATASET",
+                   help="time the input pipeline of folder:PATH or tfds:NAME instead of steps")
+    p.add_argument("--data-dir", default=None, help="TFDS data directory (with --input tfds:NAME)")
+    return p
+
+
+def _check(args) -> None:
+    from owt_tf.models.registry import MODEL_NAMES
+
+    if args.model not in MODEL_NAMES:
+        raise ConfigError("--model", f"unknown value {args.model!r}; allowed: {', '.join(MODEL_NAMES)}")
+    for s in args.schemes:
+        if s not in SCHEMES:
+            raise ConfigError("--schemes", f"unknown scheme {s!r}; allowed: {', '.join(SCHEMES)}")
+    if not args.devices or min(args.devices) < 1:
+        raise ConfigError("--devices", "K values must be integers >= 1")
+    if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--batch-size", "batch size and step counts must be positive")
+
+
+class _Config:
+    """One configuration under test: its strategy, model, optimizer, batch and step."""
+
+    def __init__(self, args, devices, scheme: str, k: int, jit: bool):
+        import numpy as np
+        import tensorflow as tf
+
+        from owt_tf.models import build_model
+        from owt_tf.parallel.strategy import HybridStrategy
+        from owt_tf.training.optim import build_optimizer
+
+        self.scheme, self.k, self.jit = scheme, k, jit
+        self.global_batch = args.batch_size * k
+        run_k = 1 if scheme == "single" else k
+        self.batch = self.global_batch // run_k
+        spec = build_model(args.model, args.classes, dropout=0.5, image_size=args.image_size)
+        fc_batch = args.fc_batch if scheme in ("owt-b", "owt-c") else "global"
+        self.fc_batch = fc_batch
+        self.hybrid = HybridStrategy(devices[:run_k], scheme, self.batch, fc_batch,
+                                     args.fc_exchange if scheme != "data" else "gather",
+                                     args.loss, jit=jit)
+        self.model = self.hybrid.build_model(spec, seed=0)
+        self.optim = build_optimizer(self.hybrid, self.model, 0.001, 0.001, 0.9, 5e-4)
+        rng = np.random.default_rng(0)
+        shape = (self.global_batch,) + tuple(spec.input_shape)
+        images = (np.zeros(shape, np.float32) if args.count_only
+                  else rng.normal(size=shape).astype(np.float32))
+        labels = rng.integers(0, args.classes, size=(self.global_batch,)).astype(np.int32)
+        self.inputs = [self.hybrid.distribute_global_batch(images),
+                       self.hybrid.distribute_global_batch(labels)]
+        seed = tf.constant([0, 1], tf.int32)
+
+        @tf.function
+        def step(x, y):
+            return self.hybrid.train_step(self.model, self.optim, x, y, seed)
+
+        self.step = step
+
+    def trace(self) -> None:
+        self.step.get_concrete_function(*self.inputs)
+
+    def run_once(self) -> float:
+        start = time.perf_counter()
+        out = self.step(*self.inputs)
+        float(out["loss_sum"])  # wait for the step to finish
+        return time.perf_counter() - start
+
+
+def _rss_peak_reset() -> None:
+    try:  # Linux: writing 5 resets the peak resident set size (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _proc_status_bytes(field: str) -> Optional[int]:
+    """A memory figure from /proc/self/status (VmHWM: peak RSS, VmRSS: RSS), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_bench(args) -> List[BenchRecord]:
+    import tensorflow as tf
+
+    from owt_tf.devices import setup_devices
+
+    # Each configuration is its own tf.function by design; TF's retracing warning is noise here.
+    tf.get_logger().setLevel("ERROR")
+    devices = setup_devices(max(args.devices))
+    jits = {"off": [False], "on": [True], "both": [False, True]}[args.jit]
+    configs: List[_Config] = []
+    memory: Dict[int, Optional[int]] = {}
+    for k in args.devices:
+        for scheme in args.schemes:
+            if scheme == "owt-c" and args.batch_size % k:
+                print(f"skip owt-c at K={k}: batch size {args.batch_size} not divisible by {k}",
+                      file=sys.stderr)
+                continue
+            for jit in jits:
+                on_gpu = "GPU" in devices[0]
+                before = _proc_status_bytes("VmRSS")
+                _rss_peak_reset()
+                for d in devices if on_gpu else []:
+                    tf.config.experimental.reset_memory_stats(d)
+                cfg = _Config(args, devices, scheme, k, jit)
+                if args.count_only:
+                    cfg.trace()
+                else:
+                    for _ in range(max(args.warmup, 1)):
+                        cfg.run_once()
+                if on_gpu:
+                    memory[id(cfg)] = sum(tf.config.experimental.get_memory_info(d)["peak"]
+                                          for d in cfg.hybrid.devices)
+                else:
+                    peak = _proc_status_bytes("VmHWM")
+                    memory[id(cfg)] = (peak - before) if peak and before else None
+                configs.append(cfg)
+                print(f"ready: {scheme} K={k} jit={'on' if jit else 'off'}", file=sys.stderr)
+    times: Dict[int, List[float]] = {id(c): [] for c in configs}
+    if not args.count_only:
+        for _ in range(args.steps):
+            for cfg in configs:  # interleaved: every configuration sees the same machine
+                times[id(cfg)].append(cfg.run_once())
+    records = []
+    for cfg in configs:
+        t = statistics.median(times[id(cfg)]) if times[id(cfg)] else None
+        ledger = cfg.hybrid.ledger
+        records.append(BenchRecord(
+            model=args.model, scheme=cfg.scheme, devices=cfg.k if cfg.scheme != "single" else 1,
+            batch_size=cfg.batch, global_batch=cfg.global_batch, fc_batch=cfg.fc_batch,
+            fc_exchange=cfg.hybrid.fc_exchange, loss=cfg.hybrid.loss, jit=cfg.jit,
+            images_per_sec=(cfg.global_batch / t) if t else None, step_time_s=t,
+            bytes_per_step=float(ledger.total), bytes_by_purpose=ledger.summary(),
+            peak_memory_bytes=memory[id(cfg)]))
+    return records
+
+
+def format_table(records: List[BenchRecord]) -> str:
+    head = (f"{'scheme':8} {'K':>2} {'B':>4} {'glob':>5} {'fc':6} {'jit':3} {'step ms':>9} "
+            f"{'img/s':>8} {'MB/step':>9} {'peak MB':>8}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        step = f"{r.step_time_s * 1e3:9.1f}" if r.step_time_s else f"{'-':>9}"
+        ips = f"{r.images_per_sec:8.0f}" if r.images_per_sec else f"{'-':>8}"
+        mem = f"{r.peak_memory_bytes / 1e6:8.0f}" if r.peak_memory_bytes else f"{'-':>8}"
+        lines.append(f"{r.scheme:8} {r.devices:>2} {r.batch_size:>4} {r.global_batch:>5} "
+                     f"{r.fc_batch:6} {'on' if r.jit else 'off':3} {step} {ips} "
+                     f"{r.bytes_per_step / 1e6:9.3f} {mem}")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class InputRecord:
+    dataset: str
+    pipeline: str  # "training" or "bare decode"
+    image_size: int
+    global_batch: int
+    images: int
+    seconds: float
+    images_per_sec: float
+    images_per_sec_per_core: float
+
+
+def _timed_batches(iterator, batches: int) -> float:
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    return time.perf_counter() - start
+
+
+def run_input_bench(args) -> List[InputRecord]:
+    """Training batches and bare decoding of the same records, timed in alternating rounds
+    (`--steps` batches each, three rounds) after `--warmup` batches of each."""
+    import tensorflow as tf
+
+    from owt_tf.data.datasets import DatasetError, StreamDataset, load_dataset
+    from owt_tf.models import build_model
+
+    side = args.image_size or build_model(args.model, args.classes).input_shape[0]
+    global_batch = args.batch_size * max(args.devices)
+    try:
+        data = load_dataset(args.input, (side, side, 3), data_dir=args.data_dir)
+        if not isinstance(data, StreamDataset):
+            raise DatasetError(f"{args.input!r} is held in memory; time folder:PATH or tfds:NAME")
+        training = data.train(global_batch, seed=0)
+    except DatasetError as err:
+        raise ConfigError("--input", str(err)) from None
+    # Only the shape leaves the map, so the batches are as cheap to move as the training ones.
+    bare = data.decoded_train_records(seed=0).map(lambda image, label: tf.shape(image))
+    bare = bare.batch(global_batch, drop_remainder=True).prefetch(2)
+    pipelines = {"training": iter(training), "bare decode": iter(bare)}
+    for it in pipelines.values():
+        _timed_batches(it, max(args.warmup, 1))
+    seconds = dict.fromkeys(pipelines, 0.0)
+    rounds = 3
+    for _ in range(rounds):
+        for name, it in pipelines.items():
+            seconds[name] += _timed_batches(it, args.steps)
+    cores = len(os.sched_getaffinity(0))
+    images = rounds * args.steps * global_batch
+    return [InputRecord(args.input, name, side, global_batch, images, t, images / t,
+                        images / t / cores) for name, t in seconds.items()]
+
+
+def format_input_table(records: List[InputRecord]) -> str:
+    cores = len(os.sched_getaffinity(0))
+    first = records[0]
+    lines = [f"{first.dataset}: {first.image_size}x{first.image_size}, global batch "
+             f"{first.global_batch}, {first.images} images per pipeline, {cores} cores",
+             f"{'pipeline':12} {'img/s':>8} {'per core':>9}"]
+    for r in records:
+        lines.append(f"{r.pipeline:12} {r.images_per_sec:8.0f} {r.images_per_sec_per_core:9.0f}")
+    rates = {r.pipeline: r.images_per_sec for r in records}
+    lines.append(f"training / bare decode: {rates['training'] / rates['bare decode']:.2f}x")
+    return "\n".join(lines)
+
+
+def _write_json(path: str, records) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump([dataclasses.asdict(r) for r in records], f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.devices = _parse_list(args.devices, int)
+        args.schemes = _parse_list(args.schemes)
+        _check(args)
+    except (ConfigError, ValueError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    if args.input:
+        try:
+            records = run_input_bench(args)
+        except ConfigError as err:
+            print(f"{parser.prog}: error: {err}", file=sys.stderr)
+            return 2
+        print(format_input_table(records))
+    else:
+        records = run_bench(args)
+        print(format_table(records))
+    if args.out:
+        _write_json(args.out, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
