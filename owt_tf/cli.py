@@ -15,6 +15,11 @@ from typing import List, Optional
 from owt_tf.config import (AUGMENTATIONS, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS,
                            LR_SCHEDULES, PRESETS, SCHEMES, RunConfig)
 
+TRAIN_DESCRIPTION = """`python -m owt_tf.train`: train a CNN with the hybrid scheme. No flags: the demo run.
+
+Every flag is a field of owt_tf.config.RunConfig. Bad flags fail in one line, exit code 2,
+before anything is built.
+"""
 TRAIN_HELP = {
     "model": "network: alexnet (the paper's, 224x224), vgg16 (224x224), their CPU-sized 32x32 "
              "versions alexnet_tiny and vgg_tiny, or your own Keras model: PATH.keras or "
@@ -96,7 +101,7 @@ def device_counts(text: str) -> List[int]:
     return ks
 
 
-def build_train_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
+def build_train_parser(description: str = TRAIN_DESCRIPTION) -> argparse.ArgumentParser:
     """`python -m owt_tf.train`'s parser: one flag per RunConfig field, plus --preset."""
     parser = OneLineParser(prog="python -m owt_tf.train", description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -120,10 +125,9 @@ def build_train_parser(description: Optional[str] = None) -> argparse.ArgumentPa
     return parser
 
 
-def parse_config(argv: Optional[List[str]] = None,
-                 description: Optional[str] = None) -> RunConfig:
+def parse_config(argv: Optional[List[str]] = None) -> RunConfig:
     """Train's flags over the preset's values over RunConfig's defaults (not yet validated)."""
-    parser = build_train_parser(description)
+    parser = build_train_parser()
     preset = parser.parse_args(argv).preset
     parser.set_defaults(**PRESETS[preset])
     args = vars(parser.parse_args(argv))

@@ -1,7 +1,8 @@
 """`python -m owt_tf.train`: train a CNN with the hybrid scheme. No flags: the demo run.
 
-Every flag is a field of owt_tf.config.RunConfig. Bad flags fail in one line, exit code 2,
-before anything is built.
+Every flag is a field of owt_tf.config.RunConfig; the flags and their help are generated in
+owt_tf.cli (launch checks its workers' flags with the same parser). Bad flags fail in one
+line, exit code 2, before anything is built.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ PROG = "python -m owt_tf.train"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    config = parse_config(argv, description=__doc__)
+    config = parse_config(argv)
     try:
         config.validate()
     except ConfigError as err:
