@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable, List
 
 import numpy as np
+import tensorflow as tf
 
 
 def ten_crops(images: np.ndarray, size) -> List[np.ndarray]:
@@ -21,8 +22,6 @@ def ten_crops(images: np.ndarray, size) -> List[np.ndarray]:
 
 def upscale_for_ten_crop(images: np.ndarray, size) -> np.ndarray:
     """Images resized so that the shorter side is size*256/224, as AlexNet's 256 for 224."""
-    import tensorflow as tf
-
     h, w = size
     target = (int(round(h * 256 / 224)), int(round(w * 256 / 224)))
     resized = tf.image.resize(tf.cast(images, tf.float32), target, method="bilinear")

@@ -15,15 +15,17 @@ import json
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
+import keras
 import numpy as np
+import tensorflow as tf
 
-if TYPE_CHECKING:
-    from owt_tf.data.datasets import ArrayDataset
+from owt_tf.data.datasets import ArrayDataset, load_dataset
+from owt_tf.data.preprocess import eval_preprocess
+from owt_tf.parallel.shards import ShardedHead
 
 EXPORT_METADATA = "owt_tf_export.json"
-
 EXPORT_SIGNATURE = "serving_default"
 
 
@@ -74,12 +76,6 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
     tensorflow/tensorflow#72963, tensorflow/serving#2226); TFLite then also keeps the trunk
     as uninitialised variables and returns NaN.
     """
-    import keras
-    import tensorflow as tf
-
-    from owt_tf.data.preprocess import eval_preprocess
-    from owt_tf.parallel.shards import ShardedHead
-
     spec = model.spec
     trunk = keras.models.clone_model(model.trunk)
     trunk.set_weights(model.trunk.get_weights())
@@ -158,14 +154,10 @@ def export_saved_model(model, mean: Sequence[float], std: Sequence[float], base:
     return out
 
 
-def load_export(path: str) -> Tuple["ArrayDataset", Tuple[int, int],
+def load_export(path: str) -> Tuple[ArrayDataset, Tuple[int, int],
                                     Callable[[np.ndarray], np.ndarray]]:
     """An export (a version directory, or a base path: its newest version): the dataset its
     metadata names, the model's input size and `predict(uint8 images) -> probabilities`."""
-    import tensorflow as tf
-
-    from owt_tf.data.datasets import load_dataset
-
     path = latest_version(path)
     meta_path = os.path.join(path, EXPORT_METADATA)
     if not os.path.exists(meta_path):
