@@ -88,6 +88,15 @@ def all_to_all_keys_collide(k: int) -> bool:
     return len(keys) < k * k
 
 
+def joins_rounds(k: int) -> bool:
+    """Whether a gather (and its backward reduce-scatter) may carry several rounds' rows in
+    one launch with the same numbers: a gather copies, and the all-to-all sums each element
+    over the replicas in replica order, whatever else travels with it. An all-reduce (and
+    the reduce-scatter of all_to_all_keys_collide) sums in an order that depends on where the
+    element falls in the tensor: joined, its rounding changes, so those stay per round."""
+    return not all_to_all_keys_collide(k)
+
+
 def tensor_bytes(x) -> int:
     shape = x.shape.as_list() if hasattr(x.shape, "as_list") else list(x.shape)
     if any(d is None for d in shape):
@@ -312,7 +321,7 @@ GATHER, SUM = "gather", "sum"
 @dataclasses.dataclass(frozen=True)
 class Cut:
     """A differentiable collective issued forward only, its backward left to
-    `backward_of_cuts`: `received` is watched on the tape, cut off from `local`."""
+    `backward_of_cut`: `received` is watched on the tape, cut off from `local`."""
 
     local: tf.Tensor  # what this replica contributed
     received: tf.Tensor  # what the collective returned
@@ -327,8 +336,9 @@ _deferring: list = []  # (tape, cuts) of each open deferred_backward block
 @contextlib.contextmanager
 def deferred_backward(tape: tf.GradientTape) -> Iterator[List[Cut]]:
     """Inside the block, all_gather and all_reduce_sum of tensors `tape` differentiates
-    issue their forward collective only and list it as a Cut, in program order, so that
-    the backward collectives of several rounds can go out as one (backward_of_cuts)."""
+    issue their forward collective only and list it as a Cut, in program order: the caller
+    issues their backward collectives itself (backward_of_cut), in an order of its choosing
+    that is the same on every replica."""
     cuts: List[Cut] = []
     _deferring.append((tape, cuts))
     try:
@@ -352,24 +362,12 @@ def _defer(local: tf.Tensor, received: tf.Tensor, kind: str, axis: int, purpose:
     return received
 
 
-def backward_of_cuts(cuts: List[Cut], grads: List[tf.Tensor]) -> List[tf.Tensor]:
-    """The gradients for every cut's `local`, given those of its `received`: the backward
-    collective of cuts of one kind, axis and purpose (the same cut of several rounds),
-    issued once for all of them. The rounds' gradients are stacked along an axis the
-    collective does not split and cut apart again; each element is summed over the same
-    replicas as by one collective per round."""
-    first = cuts[0]
-    if any((c.kind, c.axis, c.purpose) != (first.kind, first.axis, first.purpose) for c in cuts):
-        raise ValueError("backward_of_cuts joins one collective of several rounds, got different ones")
-    along = 1 if first.kind == GATHER and first.axis == 0 else 0
-    joined = tf.concat(grads, axis=along) if len(grads) > 1 else grads[0]
-    if first.kind == GATHER:
-        summed = _reduce_scatter_counted(joined, first.axis, first.purpose)
-    else:
-        summed = _all_reduce_sum_counted(joined, first.purpose)
-    if len(grads) == 1:
-        return [summed]
-    return tf.split(summed, [int(g.shape[along]) for g in grads], axis=along)
+def backward_of_cut(cut: Cut, grad: tf.Tensor) -> tf.Tensor:
+    """The gradient for `cut.local`, given the one for `cut.received`: the backward
+    collective all_gather or all_reduce_sum would have issued."""
+    if cut.kind == GATHER:
+        return _reduce_scatter_counted(grad, cut.axis, cut.purpose)
+    return _all_reduce_sum_counted(grad, cut.purpose)
 
 
 # Labels ride in the activations' collectives as float columns: exact for integers up to

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -114,61 +114,57 @@ FcUpdate = Callable[[List[tf.Tensor]], None]
 
 
 @dataclasses.dataclass
-class _Round:
-    """One round's FC forward pass, kept for its backward."""
+class _Forward:
+    """The FC forward pass of one or more rounds, kept for its backward."""
 
     tape: tf.GradientTape
-    inputs: tf.Tensor  # the round's FC input rows (watched)
-    loss: tf.Tensor  # this replica's copy of the round's loss, weighted
-    ce: tf.Tensor
-    right: tf.Tensor
-    outputs: Optional[tf.Tensor]
-    labels: tf.Tensor
+    inputs: List[tf.Tensor]  # per round: its FC input rows (watched)
+    losses: List[tf.Tensor]  # per round: this replica's copy of its loss, weighted
+    terms: List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]  # per round: ce, right, outputs
     cuts: List[coll.Cut]  # collectives whose backward is deferred (empty: none deferred)
 
 
-def _forward_round(plan: SchemePlan, head: ShardedHead, r: int, inputs: tf.Tensor, labels: tf.Tensor,
-                   shard: int, training: bool, seed: Optional[tf.Tensor], defer: bool) -> _Round:
-    round_seed = None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
+def _forward(plan: SchemePlan, head: ShardedHead, rounds: Sequence[int], inputs: List[tf.Tensor],
+             labels: List[tf.Tensor], shard: int, training: bool, seed: Optional[tf.Tensor],
+             defer: bool) -> _Forward:
+    seeds = [None if seed is None else tf.random.experimental.stateless_fold_in(seed, r) for r in rounds]
     # Model parallel: each of the K replicas holds a copy of the same loss, and the
     # exchange's gradient sums the copies. Data parallel: own rows / (B*K), and the
     # gradient all-reduce sums the K parts. Either way each replica weighs its loss by 1/K.
     loss_weight = 1.0 / plan.num_replicas
-    with tf.GradientTape(persistent=defer) as tape, tf.name_scope(f"fc_round{r}"):
-        tape.watch(inputs)
+    with tf.GradientTape(persistent=defer) as tape:
+        for x in inputs:
+            tape.watch(x)
         with coll.deferred_backward(tape) if defer else contextlib.nullcontext([]) as cuts:
-            logits = head.forward(inputs, shard, training, round_seed)
-            ce, right, outputs = head.loss_terms(logits, labels, shard)
-        loss = tf.reduce_mean(ce) * loss_weight
-    return _Round(tape, inputs, loss, ce, right, outputs, labels, cuts)
+            logits = head.forward_rounds(inputs, shard, training, seeds, rounds)
+            terms = head.loss_terms_rounds(logits, labels, shard, rounds)
+        losses = [tf.reduce_mean(ce) * loss_weight for ce, _, _ in terms]
+    return _Forward(tape, inputs, losses, terms, cuts)
 
 
-def _round_grads(rnd: _Round, sources: List[tf.Tensor],
-                 cut_grads: List[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
-    """d loss / d sources, the deferred cuts' gradients fed in at their `local` end."""
-    targets, upstream = [rnd.loss], [tf.ones_like(rnd.loss)]
-    for cut, g in zip(rnd.cuts, cut_grads):
+def _gradients(fwd: _Forward, sources: List[tf.Tensor],
+               cut_grads: List[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
+    """d (sum of the losses) / d sources, the deferred cuts' gradients fed in at their
+    `local` end."""
+    targets, upstream = list(fwd.losses), [tf.ones_like(l) for l in fwd.losses]
+    for cut, g in zip(fwd.cuts, cut_grads):
         if g is not None:
             targets.append(cut.local)
             upstream.append(g)
-    return rnd.tape.gradient(targets, sources, output_gradients=upstream)
+    return fwd.tape.gradient(targets, sources, output_gradients=upstream)
 
 
-def _deferred_backward(rounds: List[_Round], shard_vars: List[tf.Variable]) -> List[List[tf.Tensor]]:
-    """Per round: [d loss / d inputs] + the shard's variable gradients, with each deferred
-    collective's backward issued once for all rounds, last cut first (the same order on
-    every replica: the rounds have the same cuts)."""
-    cut_grads: List[List[Optional[tf.Tensor]]] = [[None] * len(rnd.cuts) for rnd in rounds]
+def _deferred_backward(fwd: _Forward, shard_vars: List[tf.Variable]) -> List[tf.Tensor]:
+    """[d losses / d inputs of each round] + the shard's variable gradients (summed over
+    rounds), each deferred collective's backward issued once, last cut first: the same
+    order on every replica."""
+    cut_grads: List[Optional[tf.Tensor]] = [None] * len(fwd.cuts)
     with tf.name_scope("fc_backward"):
-        for j in reversed(range(len(rounds[0].cuts))):
-            received = [_round_grads(rnd, [rnd.cuts[j].received], cut_grads[i])[0]
-                        for i, rnd in enumerate(rounds)]
-            if received[0] is None:  # the loss does not depend on it: no backward collective
-                continue
-            sent = coll.backward_of_cuts([rnd.cuts[j] for rnd in rounds], received)
-            for i, g in enumerate(sent):
-                cut_grads[i][j] = g
-    return [_round_grads(rnd, [rnd.inputs] + shard_vars, cut_grads[i]) for i, rnd in enumerate(rounds)]
+        for j in reversed(range(len(fwd.cuts))):
+            received = _gradients(fwd, [fwd.cuts[j].received], cut_grads)[0]
+            if received is not None:  # else the losses do not depend on it: nothing to send
+                cut_grads[j] = coll.backward_of_cut(fwd.cuts[j], received)
+    return _gradients(fwd, fwd.inputs + shard_vars, cut_grads)
 
 
 def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
@@ -178,36 +174,38 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
 
     `apply_fc_update(grads)` is called with this shard's FC gradients once per FC update:
     after every round when fc_batch='worker', else once with the average over rounds.
-    With one update per step, every round's forward pass runs first and each collective
-    between FC layers sends its gradient once for all rounds (_deferred_backward): K times
-    fewer backward launches. With fc_batch='worker', round r+1 needs round r's update.
+    With one update per step the rounds go through the FC layers together, layer by layer:
+    each round's compute on its own rows, then one collective for all rounds' rows, forward
+    and backward (_deferred_backward): K times fewer launches than round after round, the
+    same bytes and the same numbers. With fc_batch='worker', round r+1 needs round r's
+    update, so the rounds run one after the other.
     """
     inputs, labels, exchange_backward = exchange_rounds(plan, a_local, y_local, head.spec.num_classes)
     shard_vars = head.shard_variables(shard)
-    defer = not plan.updates_fc_every_round
-    rounds: List[_Round] = []
-    applied: List[List[tf.Tensor]] = []
-    round_grads: List[List[tf.Tensor]] = []
-    for r in range(plan.num_rounds):
-        rounds.append(_forward_round(plan, head, r, inputs[r], labels[r], shard, training, seed, defer))
-        if not defer:
-            grads = rounds[-1].tape.gradient(rounds[-1].loss, [inputs[r]] + shard_vars)
+    if plan.updates_fc_every_round:
+        # round r+1 runs on the FC weights round r updated
+        forwards, applied = [], []
+        input_grads: List[tf.Tensor] = []
+        for r in range(plan.num_rounds):
+            fwd = _forward(plan, head, [r], [inputs[r]], [labels[r]], shard, training, seed, False)
+            grads = fwd.tape.gradient(fwd.losses[0], [inputs[r]] + shard_vars)
             apply_fc_update(grads[1:])
             applied.append(grads[1:])
-            round_grads.append(grads)
-    if defer:
-        round_grads = _deferred_backward(rounds, shard_vars)
-        summed_fc = round_grads[0][1:]
-        for grads in round_grads[1:]:
-            summed_fc = [s + g for s, g in zip(summed_fc, grads[1:])]
-        averaged = [g / plan.num_rounds for g in summed_fc]
+            input_grads.append(grads[0] / plan.num_rounds)
+            forwards.append(fwd)
+        terms = [t for fwd in forwards for t in fwd.terms]
+    else:
+        fwd = _forward(plan, head, range(plan.num_rounds), inputs, labels, shard, training, seed, True)
+        grads = _deferred_backward(fwd, shard_vars)
+        input_grads = [g / plan.num_rounds for g in grads[:plan.num_rounds]]
+        averaged = [g / plan.num_rounds for g in grads[plan.num_rounds:]]
         apply_fc_update(averaged)
-        applied.append(averaged)
-    input_grads = [grads[0] / plan.num_rounds for grads in round_grads]
+        applied = [averaged]
+        terms = fwd.terms
     loss_sum, correct = tf.constant(0.0), tf.constant(0)
-    for rnd in rounds:
-        loss_sum += tf.reduce_sum(rnd.ce)
-        correct += tf.reduce_sum(tf.cast(rnd.right, tf.int32))
-    count = sum(int(rnd.ce.shape[0]) for rnd in rounds)
+    for ce, right, _ in terms:
+        loss_sum += tf.reduce_sum(ce)
+        correct += tf.reduce_sum(tf.cast(right, tf.int32))
+    count = sum(int(ce.shape[0]) for ce, _, _ in terms)
     return RoundsResult(exchange_backward(input_grads), applied, loss_sum, correct, count,
-                        [rnd.outputs for rnd in rounds], [rnd.labels for rnd in rounds])
+                        [outputs for _, _, outputs in terms], labels)

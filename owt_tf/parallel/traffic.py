@@ -59,8 +59,9 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
 
     Conv (and, for `data`, FC) gradients count as one launch each: they are packed into one
     all-reduce. Forward and backward collectives count separately. With one FC update per
-    step (fc_batch 'global'), each collective between and after the FC layers sends its
-    gradient once for all rounds; with 'worker', once per round. Bytes are the same.
+    step (fc_batch 'global'), each gather between and after the FC layers runs once for all
+    rounds, forward and backward; with 'worker', or as an all-reduce, once per round. Bytes
+    are the same.
     """
     if k == 1:
         return []
@@ -89,27 +90,29 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
     out.append(Transfer(coll.ACTIVATIONS, act, act_calls))
-    backward_rounds = rounds if fc_batch == "worker" else 1
+    # launches of each FC gather, each way: all rounds' rows at once with one FC update per
+    # step; an all-reduce always once per round (collectives.joins_rounds)
+    passes = 1 if fc_batch != "worker" and coll.joins_rounds(k) else rounds
     widths = list(net.hidden) + [net.num_classes]
     plan = split_plan(len(widths), fc_exchange)
     fc, fc_calls = Fraction(0), 0
     for i, width in enumerate(widths[:-1]):
         if plan[i] == ROW:
             fc += 2 * _reduce(n * width * F32, k)  # partial sums forward, gradient backward
-            fc_calls += 1
+            fc_calls += 2 * rounds
         elif plan[i] == COL and plan[i + 1] == COL:
             fc += _gather(n * width // k * F32, k) + _scatter(n * width * F32, k)
-            fc_calls += 1
-    out.append(Transfer(coll.FC_EXCHANGE, rounds * fc, (rounds + backward_rounds) * fc_calls))
+            fc_calls += 2 * passes
+    out.append(Transfer(coll.FC_EXCHANGE, rounds * fc, fc_calls))
     classes = padded(net.num_classes, k)
     if loss == "sharded":
         # max: gathered without gradient; normalizer and target logit: one all-reduce of
         # [n, 2] each way
-        per_round, forward_calls = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k), 2
+        per_round, calls = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k), passes + 2 * rounds
     else:
         per_round = _gather(n * classes // k * F32, k) + _scatter(n * classes * F32, k)
-        forward_calls = 1
-    out.append(Transfer(coll.LOGITS, rounds * per_round, rounds * forward_calls + backward_rounds))
+        calls = 2 * passes
+    out.append(Transfer(coll.LOGITS, rounds * per_round, calls))
     return out
 
 
