@@ -20,7 +20,9 @@ process's first replica records: the count is per worker (replica), the same for
 
 The raw collective ops have no gradient (tensorflow/tensorflow#53517): the wrappers define
 their own with tf.custom_gradient, so that the backward collective is issued (and counted)
-here too. ReplicaContext's methods are not used in a step: each all-gather costs two
+here too; inside `deferred_backward` they issue the forward only and leave the backward
+to the caller (backward_of_cut), which sends several rounds' gradients in one launch.
+Labels can ride in the activations' collectives as extra columns (pack_riders). ReplicaContext's methods are not used in a step: each all-gather costs two
 launches and O(K) ops there, each all-reduce a merge_call that stops every replica thread
 (_all_gather_counted, _all_reduce_sum_counted).
 """
