@@ -69,6 +69,8 @@ def _check_against_reference(devices, model, scheme, k, batch, fc_batch, fc_exch
         assert ledger.by_purpose.get(purpose, 0) == nbytes, (purpose, ledger.summary(), expected)
     if k > 1:
         assert ledger.total > 0
+    transfers = traffic.step_transfers(shape, scheme, k, batch, fc_exchange, loss, fc_batch)
+    assert ledger.calls == sum(t.calls for t in transfers), (ledger.calls, transfers)
     # the planner prices the same bytes, from the Keras model it reads itself
     net = network_cost(model, spec.head.num_classes)
     predicted = cost_model.predict(net, cost_model.preset("k20-pcie"), scheme, k, batch, fc_batch,

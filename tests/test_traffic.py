@@ -54,3 +54,18 @@ def test_paper_hybrid_at_most_a_third_of_data_parallel(k, ratio):
     if k == 8:
         assert float(hybrid) / 1e6 == pytest.approx(149.2, abs=0.05)
     assert float(hybrid / data) == pytest.approx(ratio, abs=0.001)
+
+
+def test_rounds_share_each_fc_collective_under_one_fc_update_per_step():
+    """alexnet_tiny at K=4: with fc_batch 'global' every FC collective runs once for all K
+    rounds, each way; with 'worker' once per round. The labels ride with the activations."""
+    tiny = traffic.NetworkShape(51_024, 288, (256, 256), 10)
+
+    def launches(scheme, fc_batch):
+        return sum(t.calls for t in traffic.step_transfers(tiny, scheme, 4, 32, fc_batch=fc_batch))
+
+    assert launches("owt-a", "global") == 1 + 2 + 4 + 2  # conv, activations, FC, logits
+    assert launches("owt-b", "global") == 1 + 5 + 4 + 2  # 4 broadcasts + 1 reduce-scatter
+    assert launches("owt-c", "global") == 1 + 5 + 4 + 2  # 4 gathers + 1 reduce-scatter
+    assert launches("owt-b", "worker") == 1 + 5 + 4 * (4 + 2)
+    assert launches("data", "global") == 2

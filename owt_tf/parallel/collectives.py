@@ -20,7 +20,9 @@ process's first replica records: the count is per worker (replica), the same for
 
 The raw collective ops have no gradient (tensorflow/tensorflow#53517): the wrappers define
 their own with tf.custom_gradient, so that the backward collective is issued (and counted)
-here too. ReplicaContext's methods are not used in a step: each all-gather costs two
+here too; inside `deferred_backward` they issue the forward only and leave the backward
+to the caller (backward_of_cut), which sends several rounds' gradients in one launch.
+Labels can ride in the activations' collectives as extra columns (pack_riders). ReplicaContext's methods are not used in a step: each all-gather costs two
 launches and O(K) ops there, each all-reduce a merge_call that stops every replica thread
 (_all_gather_counted, _all_reduce_sum_counted).
 """
@@ -28,10 +30,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 from fractions import Fraction
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 # What a byte was moved for. Purposes are the keys of TrafficLedger.by_purpose.
@@ -86,6 +90,15 @@ def all_to_all_keys_collide(k: int) -> bool:
     return len(keys) < k * k
 
 
+def joins_rounds(k: int) -> bool:
+    """Whether a gather (and its backward reduce-scatter) may carry several rounds' rows in
+    one launch with the same numbers: a gather copies, and the all-to-all sums each element
+    over the replicas in replica order, whatever else travels with it. An all-reduce (and
+    the reduce-scatter of all_to_all_keys_collide) sums in an order that depends on where the
+    element falls in the tensor: joined, its rounding changes, so those stay per round."""
+    return not all_to_all_keys_collide(k)
+
+
 def tensor_bytes(x) -> int:
     shape = x.shape.as_list() if hasattr(x.shape, "as_list") else list(x.shape)
     if any(d is None for d in shape):
@@ -104,12 +117,13 @@ class TrafficLedger:
         self.by_op: Dict[str, Fraction] = collections.defaultdict(Fraction)
         self.calls = 0
 
-    def add(self, purpose: str, op: str, nbytes: Fraction) -> None:
+    def add(self, purpose: str, op: str, nbytes: Fraction, calls: int = 1) -> None:
+        """`calls` = 0: bytes that ride in a collective counted under another purpose."""
         if purpose not in PURPOSES:
             raise ValueError(f"unknown traffic purpose {purpose!r}")
         self.by_purpose[purpose] += nbytes
         self.by_op[op] += nbytes
-        self.calls += 1
+        self.calls += calls
 
     @property
     def total(self) -> Fraction:
@@ -132,11 +146,11 @@ def recording(ledger: TrafficLedger) -> Iterator[TrafficLedger]:
         _recording.pop()
 
 
-def record(purpose: str, op: str, nbytes: Fraction) -> None:
+def record(purpose: str, op: str, nbytes: Fraction, calls: int = 1) -> None:
     """Adds bytes for a collective issued elsewhere (Keras' gradient all-reduce); counted by
-    this process's first replica only."""
-    if _recording and _local_replica_id() == 0:
-        _recording[-1].add(purpose, op, nbytes)
+    this process's first replica only. One replica issues no collective: nothing counted."""
+    if _recording and _local_replica_id() == 0 and num_replicas() > 1:
+        _recording[-1].add(purpose, op, nbytes, calls)
 
 
 def _ctx() -> tf.distribute.ReplicaContext:
@@ -186,7 +200,17 @@ def _all_reduce_sum_counted(x: tf.Tensor, purpose: str) -> tf.Tensor:
     return _launcher().all_reduce(x)
 
 
-def _all_gather_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
+def _record_with_riders(purpose: str, op: str, cost, x: tf.Tensor, riders: int) -> None:
+    """One launch of `op` on x: its last `riders` columns (labels riding along) counted as
+    LABELS bytes, with no launch of their own."""
+    k = num_replicas()
+    rider_bytes = int(x.shape[0]) * riders * x.dtype.size
+    record(purpose, op, cost(tensor_bytes(x) - rider_bytes, k))
+    if riders:
+        record(LABELS, op, cost(rider_bytes, k), calls=0)
+
+
+def _all_gather_counted(x: tf.Tensor, axis: int, purpose: str, riders: int = 0) -> tf.Tensor:
     """Every replica's `x` (the same static shape everywhere), concatenated along `axis`.
 
     One CollectiveGatherV2 through the strategy's launcher. ReplicaContext.all_gather allows
@@ -197,7 +221,7 @@ def _all_gather_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
     K = 8; minutes at K = 16).
     """
     k = num_replicas()
-    record(purpose, "all_gather", all_gather_cost(tensor_bytes(x), k))
+    _record_with_riders(purpose, "all_gather", all_gather_cost, x, riders)
     rank = len(x.shape)
     to_front = [axis] + [i for i in range(rank) if i != axis]
     launcher = _launcher()
@@ -263,6 +287,8 @@ def all_gather(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
     """
     if num_replicas() == 1:
         return x
+    if _deferring_for(x):
+        return _defer(x, _all_gather_counted(tf.stop_gradient(x), axis, purpose), GATHER, axis, purpose)
 
     @tf.custom_gradient
     def gather(v):
@@ -278,6 +304,8 @@ def all_reduce_sum(x: tf.Tensor, purpose: str) -> tf.Tensor:
     """Sum of every replica's `x`. Differentiable: the gradient is the summed upstream gradient."""
     if num_replicas() == 1:
         return x
+    if _deferring_for(x):
+        return _defer(x, _all_reduce_sum_counted(tf.stop_gradient(x), purpose), SUM, 0, purpose)
 
     @tf.custom_gradient
     def reduce(v):
@@ -289,13 +317,116 @@ def all_reduce_sum(x: tf.Tensor, purpose: str) -> tf.Tensor:
     return reduce(x)
 
 
-def broadcast_rounds(x: tf.Tensor, purpose: str, scope: str = "exchange_round") -> List[tf.Tensor]:
+GATHER, SUM = "gather", "sum"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """A differentiable collective issued forward only, its backward left to
+    `backward_of_cut`: `received` is watched on the tape, cut off from `local`."""
+
+    local: tf.Tensor  # what this replica contributed
+    received: tf.Tensor  # what the collective returned
+    kind: str  # GATHER (backward: reduce-scatter along `axis`) or SUM (backward: all-reduce)
+    axis: int
+    purpose: str
+
+
+_deferring: list = []  # (tape, cuts) of each open deferred_backward block
+
+
+@contextlib.contextmanager
+def deferred_backward(tape: tf.GradientTape) -> Iterator[List[Cut]]:
+    """Inside the block, all_gather and all_reduce_sum of tensors `tape` differentiates
+    issue their forward collective only and list it as a Cut, in program order: the caller
+    issues their backward collectives itself (backward_of_cut), in an order of its choosing
+    that is the same on every replica."""
+    cuts: List[Cut] = []
+    _deferring.append((tape, cuts))
+    try:
+        yield cuts
+    finally:
+        _deferring.pop()
+
+
+def _deferring_for(x: tf.Tensor) -> bool:
+    from tensorflow.python.eager import record as tape_record  # what tf.custom_gradient asks too
+
+    # A tensor no tape differentiates (the sharded loss's max) takes the ordinary path,
+    # which issues no backward collective for it either.
+    return bool(_deferring) and tape_record.should_record_backprop([x])
+
+
+def _defer(local: tf.Tensor, received: tf.Tensor, kind: str, axis: int, purpose: str) -> tf.Tensor:
+    tape, cuts = _deferring[-1]
+    tape.watch(received)
+    cuts.append(Cut(local, received, kind, axis, purpose))
+    return received
+
+
+def backward_of_cut(cut: Cut, grad: tf.Tensor) -> tf.Tensor:
+    """The gradient for `cut.local`, given the one for `cut.received`: the backward
+    collective all_gather or all_reduce_sum would have issued."""
+    if cut.kind == GATHER:
+        return _reduce_scatter_counted(grad, cut.axis, cut.purpose)
+    return _all_reduce_sum_counted(grad, cut.purpose)
+
+
+# Labels ride in the activations' collectives as float columns: exact for integers up to
+# 2^24 in magnitude, and TF's CPU gather takes no mix of dtypes.
+MAX_RIDING_CLASSES = 2 ** 24
+
+
+def pack_riders(x: tf.Tensor, labels: tf.Tensor, num_classes: int) -> Optional[tf.Tensor]:
+    """x [rows, d] with the labels appended as float columns, for one collective that moves
+    both; None where that would not be exact or possible (unpack_riders undoes it)."""
+    if x.dtype != tf.float32 or x.shape.rank != 2 or labels.shape.rank is None:
+        return None
+    if labels.dtype == tf.int32 and labels.shape.rank == 1 and num_classes <= MAX_RIDING_CLASSES:
+        columns = tf.cast(labels, tf.float32)[:, None]
+    elif labels.dtype == tf.float32 and labels.shape.is_fully_defined():
+        columns = tf.reshape(labels, [labels.shape[0], -1])
+    else:
+        return None
+    return tf.concat([x, columns], axis=1)
+
+
+def rider_columns(labels: tf.Tensor) -> int:
+    """How many columns pack_riders appends for `labels`."""
+    return 1 if labels.shape.rank == 1 else int(np.prod(labels.shape.as_list()[1:]))
+
+
+def unpack_riders(packed: tf.Tensor, like: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(x, labels) from rows packed by pack_riders; `like`: this replica's own labels."""
+    d = int(packed.shape[1]) - rider_columns(like)
+    columns = packed[:, d:]
+    if like.dtype == tf.int32:
+        return packed[:, :d], tf.cast(columns[:, 0], tf.int32)
+    return packed[:, :d], tf.reshape(columns, [-1] + like.shape.as_list()[1:])
+
+
+def _drop_riders(dy: tf.Tensor, riders: int) -> tf.Tensor:
+    return dy[:, :int(dy.shape[1]) - riders] if riders else dy
+
+
+def _without_riders_back(collective, dy: tf.Tensor, riders: int, purpose: str) -> tf.Tensor:
+    """`collective(dy, 0, purpose)` on the gradient without the rider columns, which carry
+    none, and zeros in their place so that the shape is the packed input's."""
+    out = collective(dy, 0, purpose)
+    if not riders:
+        return out
+    return tf.concat([out, tf.zeros([out.shape[0], riders], out.dtype)], axis=1)
+
+
+def broadcast_rounds(x: tf.Tensor, purpose: str, riders: int = 0,
+                     scope: str = "exchange_round") -> List[tf.Tensor]:
     """Every replica's `x`, on every replica: K broadcasts, round r's from replica r (each
     under the name scope f"{scope}{r}"). Differentiable.
 
     Backward: one reduce-scatter of the K rounds' gradients, so that each replica receives
     the sum of the gradients for its own rows only: the paper's "back to the worker that
     owns those examples", (K-1)/K of the K rounds' gradient bytes, as scheme (a)'s backward.
+    The last `riders` columns of x (labels: pack_riders) travel forward only.
     """
     k = num_replicas()
     if k == 1:
@@ -308,17 +439,50 @@ def broadcast_rounds(x: tf.Tensor, purpose: str, scope: str = "exchange_round") 
             with tf.name_scope(f"{scope}{r}"):
                 after = received[-1:]  # this replica's broadcasts in round order (NCCL needs one order)
                 with tf.control_dependencies(after):
-                    received.append(_broadcast_counted(v, r, purpose))
+                    received.append(_broadcast_counted(v, r, purpose, riders))
 
         def grad(*dys):
-            return _reduce_scatter_counted(tf.concat(dys, 0), 0, purpose)
+            return _without_riders_back(_reduce_scatter_counted, _drop_riders(tf.concat(dys, 0), riders),
+                                        riders, purpose)
 
         return received, grad
 
     return bcast(x)
 
 
-def _broadcast_counted(x: tf.Tensor, source: int, purpose: str) -> tf.Tensor:
+def gather_rounds(x: tf.Tensor, rounds: int, purpose: str, riders: int = 0,
+                  scope: str = "exchange_round") -> List[tf.Tensor]:
+    """Round r: rows r*s ... (r+1)*s-1 of every replica's `x` (s = rows / rounds), gathered
+    in replica order, each round under the name scope f"{scope}{r}". Differentiable.
+
+    Backward: one reduce-scatter of all rounds' gradients, each replica's rows put back in
+    its own order, instead of one per round: the same sums, `rounds` times fewer launches.
+    The last `riders` columns of x (labels: pack_riders) travel forward only.
+    """
+    k = num_replicas()
+    s = int(x.shape[0]) // rounds
+    if k == 1:
+        return [x[r * s:(r + 1) * s] for r in range(rounds)]
+
+    @tf.custom_gradient
+    def gather(v):
+        received = []
+        for r in range(rounds):
+            with tf.name_scope(f"{scope}{r}"):
+                received.append(_all_gather_counted(v[r * s:(r + 1) * s], 0, purpose, riders))
+
+        def grad(*dys):
+            # replica j's rows of every round, in round order: its own x's row order
+            by_owner = [dy[j * s:(j + 1) * s] for j in range(k) for dy in dys]
+            return _without_riders_back(_reduce_scatter_counted, _drop_riders(tf.concat(by_owner, 0), riders),
+                                        riders, purpose)
+
+        return received, grad
+
+    return gather(x)
+
+
+def _broadcast_counted(x: tf.Tensor, source: int, purpose: str, riders: int = 0) -> tf.Tensor:
     """Replica `source`'s `x` on every replica: one CollectiveBcastSendV2 / RecvV2 pair.
 
     TF's broadcast ops take no ordering token; auto control dependencies leave them
@@ -327,8 +491,7 @@ def _broadcast_counted(x: tf.Tensor, source: int, purpose: str) -> tf.Tensor:
     """
     from tensorflow.python.ops import collective_ops  # the strategy's own collective layer
 
-    k = num_replicas()
-    record(purpose, "broadcast", broadcast_cost(tensor_bytes(x), k))
+    _record_with_riders(purpose, "broadcast", broadcast_cost, x, riders)
     launcher = _launcher()
     keys = dict(group_size=launcher._group_size, group_key=launcher._group_key,  # pylint: disable=protected-access
                 instance_key=launcher._next_instance_key(),  # pylint: disable=protected-access

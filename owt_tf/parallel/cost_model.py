@@ -218,7 +218,7 @@ def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int
     conv = b * net.conv_train_flops / hw.flops * share + _memory_seconds(net, b, mem)
     fc = b * net.fc_train_flops / hw.flops * share  # 1/K of the FC layers on K*B rows, or all on B
     trunk_update = _update_seconds(net.shape.trunk_params, mem)
-    transfers = traffic.step_transfers(net.shape, scheme, k, b, fc_exchange, loss)
+    transfers = traffic.step_transfers(net.shape, scheme, k, b, fc_exchange, loss, fc_batch)
     nbytes = sum(t.nbytes for t in transfers)
     seconds = {t.purpose: _link_seconds(t.nbytes, t.calls, k, hw) for t in transfers}
     comm = sum(seconds.values())

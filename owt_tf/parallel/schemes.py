@@ -16,8 +16,9 @@ every round (K FC updates per conv update, the paper's (128K, 128) rows).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -56,53 +57,44 @@ class SchemePlan:
             return np.concatenate([np.arange(j * b + r * s, j * b + (r + 1) * s) for j in range(k)])
         return np.arange(k * b)
 
-    def exchange(self, r: int, a_local: tf.Tensor) -> tf.Tensor:
-        """Round r's rows of the last conv activations, the same on every replica (owt-a,
-        owt-c, single; owt-b's rounds come from coll.broadcast_rounds, all at once)."""
-        if self.scheme == "owt-c":
-            s = self.batch_size // self.num_replicas
-            return coll.all_gather(a_local[r * s:(r + 1) * s], 0, coll.ACTIVATIONS)
-        return coll.all_gather(a_local, 0, coll.ACTIVATIONS)
-
 
 Backward = Callable[[List[tf.Tensor]], tf.Tensor]
 
 
-def exchange_rounds(plan: SchemePlan, a_local: tf.Tensor) -> Tuple[List[tf.Tensor], Backward]:
-    """Every round's FC input, and the function that turns the rounds' input gradients into
-    d loss / d a_local.
+def exchange_rounds(plan: SchemePlan, a_local: tf.Tensor, y_local: tf.Tensor,
+                    num_classes: int) -> Tuple[List[tf.Tensor], List[tf.Tensor], Backward]:
+    """Every round's FC input and labels, and the function that turns the rounds' input
+    gradients into d loss / d a_local.
 
     Every round's exchange is issued before any round's FC work, and every backward
     exchange after the last round. The strategy runs a device's collectives in program
     order (one ordering token per device), so this order lets round r's FC compute overlap
     the transfer of rounds r+1... (the paper's point about scheme (b)); issuing exchange
-    r+1 after round r would serialize them.
+    r+1 after round r would serialize them. The labels ride in the same collectives
+    (coll.pack_riders) where that is exact, else they are gathered on their own first.
     """
     if not plan.model_parallel:
-        return [a_local], lambda grads: grads[0]
-    if plan.scheme == "owt-b":
-        # One op for all K broadcasts: one backward collective (a reduce-scatter), no order
-        # among several to get wrong.
-        with tf.GradientTape() as tape:
-            tape.watch(a_local)
-            inputs = coll.broadcast_rounds(a_local, coll.ACTIVATIONS)
-        return inputs, lambda grads: tape.gradient(inputs, a_local, output_gradients=grads)
-    # One tape per exchange, differentiated in round order. With one tape over all of them
-    # the tape would pick among equally ready backward collectives in an order that differs
-    # between replicas (tensor ids interleave across replica threads), pairing round r's
-    # gradient with round r' on another replica: wrong numbers, no error.
-    tapes, inputs = [], []
-    for r in range(plan.num_rounds):
-        with tf.GradientTape() as tape, tf.name_scope(f"exchange_round{r}"):
-            tape.watch(a_local)
-            inputs.append(plan.exchange(r, a_local))
-        tapes.append(tape)
-
-    def backward(grads: List[tf.Tensor]) -> tf.Tensor:
-        return tf.add_n([tape.gradient(x, a_local, output_gradients=g)
-                         for tape, x, g in zip(tapes, inputs, grads)])
-
-    return inputs, backward
+        return [a_local], [y_local], lambda grads: grads[0]
+    with tf.GradientTape() as tape:
+        tape.watch(a_local)
+        packed = coll.pack_riders(a_local, y_local, num_classes) if coll.num_replicas() > 1 else None
+        if packed is None:
+            labels = coll.gather_labels(y_local)
+        riders = 0 if packed is None else coll.rider_columns(y_local)
+        # One op for all rounds: one backward collective (a reduce-scatter), no order among
+        # several to get wrong.
+        sent = a_local if packed is None else packed
+        if plan.scheme == "owt-b":
+            received = coll.broadcast_rounds(sent, coll.ACTIVATIONS, riders)
+        else:
+            received = coll.gather_rounds(sent, plan.num_rounds, coll.ACTIVATIONS, riders)
+        if packed is None:
+            inputs = received
+            round_labels = [labels if plan.num_rounds == 1 else tf.gather(labels, plan.round_rows(r))
+                            for r in range(plan.num_rounds)]
+        else:
+            inputs, round_labels = map(list, zip(*(coll.unpack_riders(p, y_local) for p in received)))
+    return inputs, round_labels, lambda grads: tape.gradient(inputs, a_local, output_gradients=grads)
 
 
 @dataclasses.dataclass
@@ -121,6 +113,60 @@ class RoundsResult:
 FcUpdate = Callable[[List[tf.Tensor]], None]
 
 
+@dataclasses.dataclass
+class _Forward:
+    """The FC forward pass of one or more rounds, kept for its backward."""
+
+    tape: tf.GradientTape
+    inputs: List[tf.Tensor]  # per round: its FC input rows (watched)
+    losses: List[tf.Tensor]  # per round: this replica's copy of its loss, weighted
+    terms: List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]  # per round: ce, right, outputs
+    cuts: List[coll.Cut]  # collectives whose backward is deferred (empty: none deferred)
+
+
+def _forward(plan: SchemePlan, head: ShardedHead, rounds: Sequence[int], inputs: List[tf.Tensor],
+             labels: List[tf.Tensor], shard: int, training: bool, seed: Optional[tf.Tensor],
+             defer: bool) -> _Forward:
+    seeds = [None if seed is None else tf.random.experimental.stateless_fold_in(seed, r) for r in rounds]
+    # Model parallel: each of the K replicas holds a copy of the same loss, and the
+    # exchange's gradient sums the copies. Data parallel: own rows / (B*K), and the
+    # gradient all-reduce sums the K parts. Either way each replica weighs its loss by 1/K.
+    loss_weight = 1.0 / plan.num_replicas
+    with tf.GradientTape(persistent=defer) as tape:
+        for x in inputs:
+            tape.watch(x)
+        with coll.deferred_backward(tape) if defer else contextlib.nullcontext([]) as cuts:
+            logits = head.forward_rounds(inputs, shard, training, seeds, rounds)
+            terms = head.loss_terms_rounds(logits, labels, shard, rounds)
+        losses = [tf.reduce_mean(ce) * loss_weight for ce, _, _ in terms]
+    return _Forward(tape, inputs, losses, terms, cuts)
+
+
+def _gradients(fwd: _Forward, sources: List[tf.Tensor],
+               cut_grads: List[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
+    """d (sum of the losses) / d sources, the deferred cuts' gradients fed in at their
+    `local` end."""
+    targets, upstream = list(fwd.losses), [tf.ones_like(l) for l in fwd.losses]
+    for cut, g in zip(fwd.cuts, cut_grads):
+        if g is not None:
+            targets.append(cut.local)
+            upstream.append(g)
+    return fwd.tape.gradient(targets, sources, output_gradients=upstream)
+
+
+def _deferred_backward(fwd: _Forward, shard_vars: List[tf.Variable]) -> List[tf.Tensor]:
+    """[d losses / d inputs of each round] + the shard's variable gradients (summed over
+    rounds), each deferred collective's backward issued once, last cut first: the same
+    order on every replica."""
+    cut_grads: List[Optional[tf.Tensor]] = [None] * len(fwd.cuts)
+    with tf.name_scope("fc_backward"):
+        for j in reversed(range(len(fwd.cuts))):
+            received = _gradients(fwd, [fwd.cuts[j].received], cut_grads)[0]
+            if received is not None:  # else the losses do not depend on it: nothing to send
+                cut_grads[j] = coll.backward_of_cut(fwd.cuts[j], received)
+    return _gradients(fwd, fwd.inputs + shard_vars, cut_grads)
+
+
 def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
                   shard: int, training: bool, seed: Optional[tf.Tensor],
                   apply_fc_update: FcUpdate) -> RoundsResult:
@@ -128,45 +174,38 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
 
     `apply_fc_update(grads)` is called with this shard's FC gradients once per FC update:
     after every round when fc_batch='worker', else once with the average over rounds.
+    With one update per step the rounds go through the FC layers together, layer by layer:
+    each round's compute on its own rows, then one collective for all rounds' rows, forward
+    and backward (_deferred_backward): K times fewer launches than round after round, the
+    same bytes and the same numbers. With fc_batch='worker', round r+1 needs round r's
+    update, so the rounds run one after the other.
     """
-    labels = coll.gather_labels(y_local) if plan.model_parallel else y_local
-    # Model parallel: each of the K replicas holds a copy of the same loss, and the
-    # exchange's gradient sums the copies. Data parallel: own rows / (B*K), and the
-    # gradient all-reduce sums the K parts. Either way each replica weighs its loss by 1/K.
-    loss_weight = 1.0 / plan.num_replicas
-    rounds = range(plan.num_rounds)
-    inputs, exchange_backward = exchange_rounds(plan, a_local)
+    inputs, labels, exchange_backward = exchange_rounds(plan, a_local, y_local, head.spec.num_classes)
     shard_vars = head.shard_variables(shard)
-    input_grads: List[tf.Tensor] = []
-    summed_fc: Optional[List[tf.Tensor]] = None
-    applied: List[List[tf.Tensor]] = []
-    loss_sum, correct, count = tf.constant(0.0), tf.constant(0), 0
-    round_outputs: List[tf.Tensor] = []
-    round_labels_seen: List[tf.Tensor] = []
-    for r in rounds:
-        round_seed = None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
-        round_labels = labels if plan.num_rounds == 1 else tf.gather(labels, plan.round_rows(r))
-        with tf.GradientTape() as tape, tf.name_scope(f"fc_round{r}"):
-            tape.watch(inputs[r])
-            logits = head.forward(inputs[r], shard, training, round_seed)
-            ce, right, outputs = head.loss_terms(logits, round_labels, shard)
-            loss = tf.reduce_mean(ce) * loss_weight
-        grads = tape.gradient(loss, [inputs[r]] + shard_vars)
-        input_grads.append(grads[0] / plan.num_rounds)
-        fc_grads = grads[1:]
-        if plan.updates_fc_every_round:
-            apply_fc_update(fc_grads)
-            applied.append(fc_grads)
-        else:
-            summed_fc = fc_grads if summed_fc is None else [s + g for s, g in zip(summed_fc, fc_grads)]
+    if plan.updates_fc_every_round:
+        # round r+1 runs on the FC weights round r updated
+        forwards, applied = [], []
+        input_grads: List[tf.Tensor] = []
+        for r in range(plan.num_rounds):
+            fwd = _forward(plan, head, [r], [inputs[r]], [labels[r]], shard, training, seed, False)
+            grads = fwd.tape.gradient(fwd.losses[0], [inputs[r]] + shard_vars)
+            apply_fc_update(grads[1:])
+            applied.append(grads[1:])
+            input_grads.append(grads[0] / plan.num_rounds)
+            forwards.append(fwd)
+        terms = [t for fwd in forwards for t in fwd.terms]
+    else:
+        fwd = _forward(plan, head, range(plan.num_rounds), inputs, labels, shard, training, seed, True)
+        grads = _deferred_backward(fwd, shard_vars)
+        input_grads = [g / plan.num_rounds for g in grads[:plan.num_rounds]]
+        averaged = [g / plan.num_rounds for g in grads[plan.num_rounds:]]
+        apply_fc_update(averaged)
+        applied = [averaged]
+        terms = fwd.terms
+    loss_sum, correct = tf.constant(0.0), tf.constant(0)
+    for ce, right, _ in terms:
         loss_sum += tf.reduce_sum(ce)
         correct += tf.reduce_sum(tf.cast(right, tf.int32))
-        count += int(ce.shape[0])
-        round_outputs.append(outputs)
-        round_labels_seen.append(round_labels)
-    if not plan.updates_fc_every_round:
-        averaged = [g / plan.num_rounds for g in summed_fc]
-        apply_fc_update(averaged)
-        applied.append(averaged)
-    return RoundsResult(exchange_backward(input_grads), applied, loss_sum, correct, count, round_outputs,
-                        round_labels_seen)
+    count = sum(int(ce.shape[0]) for ce, _, _ in terms)
+    return RoundsResult(exchange_backward(input_grads), applied, loss_sum, correct, count,
+                        [outputs for _, _, outputs in terms], labels)

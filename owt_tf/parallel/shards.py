@@ -13,6 +13,8 @@ drops them. Hidden widths must be divisible by K.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -184,18 +186,29 @@ class ShardedHead(tf.Module):
         all-reduced. This is the one FC forward pass: training, evaluation and prediction
         run it; `forward_assembled` is the same math with every shard on one device.
         """
+        return self.forward_rounds([x], k, training, [seed])[0]
+
+    def forward_rounds(self, xs: Sequence[tf.Tensor], k: int, training: bool,
+                       seeds: Sequence[Optional[tf.Tensor]],
+                       rounds: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
+        """`forward` of several rounds' rows, layer by layer: each round's compute on its own
+        (xs[i] under the name scope f"fc_round{rounds[i]}" when rounds are given), one
+        collective per layer for all of them."""
         layers = self.layers
+        xs = list(xs)
+        per_round = functools.partial(_per_round, rounds=rounds)
         for i, layer in enumerate(layers[:-1]):
-            z = layer.forward_shard(x, k)
+            zs = per_round(lambda x, r: layer.forward_shard(x, k), xs)
             if layer.split == ROW:
-                z = self._exchange(coll.all_reduce_sum, z)
-            h = self._activate(i, z)
+                zs = self._exchange(coll.all_reduce_sum, zs)
             # A ROW layer's output is whole and identical on every replica: same mask for all.
-            h = self._dropout(h, training, seed, i, k if layer.split == COL else 0)
+            salt = k if layer.split == COL else 0
+            hs = per_round(
+                lambda z, r: self._dropout(self._activate(i, z), training, seeds[r], i, salt), zs)
             if layer.split == COL and layers[i + 1].split == COL:
-                h = self._exchange(lambda t, p: coll.all_gather(t, 1, p), h)
-            x = h
-        return layers[-1].forward_shard(x, k)
+                hs = self._gather(hs)
+            xs = hs
+        return per_round(lambda x, r: layers[-1].forward_shard(x, k), xs)
 
     def forward_assembled(self, x: tf.Tensor) -> tf.Tensor:
         """Logits [rows, classes] of `x` in inference mode, computed on one device from every
@@ -220,8 +233,17 @@ class ShardedHead(tf.Module):
     def _activate(self, i: int, z: tf.Tensor) -> tf.Tensor:
         return tf.nn.relu(z) if self.spec.hidden_activation(i) == "relu" else z
 
-    def _exchange(self, op, t):
-        return t if self.num_shards == 1 else op(t, coll.FC_EXCHANGE)
+    def _exchange(self, op, ts: Sequence[tf.Tensor], purpose: str = coll.FC_EXCHANGE) -> List[tf.Tensor]:
+        """`op(t, purpose)` on every round's t; a gather as one collective on their rows
+        joined (coll.joins_rounds)."""
+        if self.num_shards == 1:
+            return list(ts)
+        if op is coll.all_reduce_sum or not coll.joins_rounds(self.num_shards):
+            return [op(t, purpose) for t in ts]
+        return _on_joined_rows(lambda t: op(t, purpose), ts)
+
+    def _gather(self, ts: Sequence[tf.Tensor], purpose: str = coll.FC_EXCHANGE) -> List[tf.Tensor]:
+        return self._exchange(lambda t, p: coll.all_gather(t, 1, p), ts, purpose)
 
     def _dropout(self, h, training, seed, layer_index, salt):
         rate = self.spec.hidden_dropout(layer_index)
@@ -241,12 +263,23 @@ class ShardedHead(tf.Module):
         logit are summed across shards, the max (which only stabilizes) is gathered without
         gradient, since ReduceOp has no MAX.
         """
+        return self.loss_terms_rounds([logits_shard], [labels], k)[0]
+
+    def loss_terms_rounds(self, logits_shards: Sequence[tf.Tensor], labels: Sequence[tf.Tensor],
+                          k: int, rounds: Optional[Sequence[int]] = None
+                          ) -> List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]:
+        """`loss_terms` of several rounds (named as in forward_rounds), each collective once
+        for all of them."""
+        per_round = functools.partial(_per_round, rounds=rounds)
         if self.loss_mode == "sharded" and self.num_shards > 1:
-            ce, correct = self._sharded_cross_entropy(logits_shard, labels, k)
-            return ce, correct, None
-        logits = logits_shard
+            return [(ce, correct, None)
+                    for ce, correct in self._sharded_cross_entropy(logits_shards, labels, k, per_round)]
+        logits_all = list(logits_shards)
         if self.num_shards > 1:
-            logits = coll.all_gather(logits_shard, 1, coll.LOGITS)
+            logits_all = self._gather(logits_all, coll.LOGITS)
+        return per_round(lambda logits, r: self._round_loss_terms(logits, labels[r]), logits_all)
+
+    def _round_loss_terms(self, logits: tf.Tensor, labels: tf.Tensor):
         logits = logits[:, : self.spec.num_classes]
         outputs = self.outputs(logits)
         if self.per_example_loss is not None:
@@ -258,23 +291,52 @@ class ShardedHead(tf.Module):
         correct = tf.equal(tf.argmax(logits, axis=1, output_type=target.dtype), target)
         return ce, correct, outputs
 
-    def _sharded_cross_entropy(self, logits, labels, k):
-        width = logits.shape[1]
+    def _sharded_cross_entropy(self, logits_shards, labels, k, per_round):
+        width = logits_shards[0].shape[1]
         classes = tf.range(k * width, (k + 1) * width)
         valid = classes < self.spec.num_classes
-        lowest = tf.constant(logits.dtype.min, logits.dtype)
-        masked = tf.where(valid[None, :], logits, lowest)
-        local_max = tf.stop_gradient(tf.reduce_max(masked, axis=1, keepdims=True))
-        global_max = tf.reduce_max(coll.all_gather(local_max, 1, coll.LOGITS), axis=1)
-        shifted = tf.where(valid[None, :], logits - global_max[:, None], -np.inf)
-        local_label = labels - k * width
-        mine = (local_label >= 0) & (local_label < width)
-        picked = tf.gather(logits, tf.clip_by_value(local_label, 0, width - 1), batch_dims=1)
+
+        def local_max(logits, r):
+            lowest = tf.constant(logits.dtype.min, logits.dtype)
+            masked = tf.where(valid[None, :], logits, lowest)
+            return tf.stop_gradient(tf.reduce_max(masked, axis=1, keepdims=True))
+
+        maxima = self._gather(per_round(local_max, logits_shards), coll.LOGITS)
+        global_max = per_round(lambda m, r: tf.reduce_max(m, axis=1), maxima)
+
+        def local_terms(logits, r):
+            shifted = tf.where(valid[None, :], logits - global_max[r][:, None], -np.inf)
+            local_label = labels[r] - k * width
+            mine = (local_label >= 0) & (local_label < width)
+            picked = tf.gather(logits, tf.clip_by_value(local_label, 0, width - 1), batch_dims=1)
+            return tf.stack([tf.reduce_sum(tf.exp(shifted), axis=1),
+                             tf.where(mine, picked, tf.zeros_like(picked))], axis=1)
+
         # Normalizer and target logit in one all-reduce: two separate ones would both be
         # ready at once in the backward pass, in an order that can differ between replicas.
-        local_terms = tf.stack([tf.reduce_sum(tf.exp(shifted), axis=1),
-                                tf.where(mine, picked, tf.zeros_like(picked))], axis=1)
-        terms = coll.all_reduce_sum(local_terms, coll.LOGITS)
-        sum_exp, target = terms[:, 0], terms[:, 1]
-        ce = tf.math.log(sum_exp) + global_max - target
-        return ce, target >= global_max
+        terms = self._exchange(coll.all_reduce_sum, per_round(local_terms, logits_shards), coll.LOGITS)
+
+        def cross_entropy(t, r):
+            sum_exp, target = t[:, 0], t[:, 1]
+            return tf.math.log(sum_exp) + global_max[r] - target, target >= global_max[r]
+
+        return per_round(cross_entropy, terms)
+
+
+def _per_round(fn: Callable[[tf.Tensor, int], object], ts: Sequence[tf.Tensor],
+               rounds: Optional[Sequence[int]]) -> list:
+    """fn(ts[i], i) for every i, under the name scope of round rounds[i] if given."""
+    out = []
+    for i, t in enumerate(ts):
+        with tf.name_scope(f"fc_round{rounds[i]}") if rounds is not None else contextlib.nullcontext():
+            out.append(fn(t, i))
+    return out
+
+
+def _on_joined_rows(op: Callable[[tf.Tensor], tf.Tensor], ts: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    """op on the rows of every tensor in `ts` joined, cut back into their rows: one
+    collective for several rounds (op must act on each row on its own)."""
+    if len(ts) == 1:
+        return [op(ts[0])]
+    joined = op(tf.concat(list(ts), axis=0))
+    return tf.split(joined, [int(t.shape[0]) for t in ts], axis=0)

@@ -36,11 +36,15 @@ class Transfer:
 
 
 def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
-                   fc_exchange: str = "gather", loss: str = "gathered") -> List[Transfer]:
+                   fc_exchange: str = "gather", loss: str = "gathered",
+                   fc_batch: str = "global") -> List[Transfer]:
     """Every collective one worker takes part in during a step, grouped by purpose.
 
     Conv (and, for `data`, FC) gradients count as one launch each: they are packed into one
-    all-reduce. Forward and backward collectives count separately.
+    all-reduce. Forward and backward collectives count separately. With one FC update per
+    step (fc_batch 'global'), each gather between and after the FC layers runs once for all
+    rounds, forward and backward; with 'worker', or as an all-reduce, once per round. Bytes
+    are the same.
     """
     if k == 1:
         return []
@@ -48,7 +52,9 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     if scheme == "data":
         return out + [Transfer(coll.FC_GRAD, _reduce(net.fc_params * F32, k), 1)]
     b, d = batch_size, net.features
-    out.append(Transfer(coll.LABELS, _gather(b * I32, k), 1))
+    # the labels ride in the activations' collectives, as one more float column: no launch
+    # of their own, the bytes of a gather of them
+    out.append(Transfer(coll.LABELS, _gather(b * I32, k), 0))
     if scheme in ("owt-a", "single"):
         rounds, n = 1, k * b
         # forward: gather every worker's block; backward: reduce-scatter the gradient
@@ -61,31 +67,35 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     elif scheme == "owt-c":
         rounds, n = k, b
         s = b // k
-        # each round: gather B/K rows of every worker; backward: reduce-scatter them
-        act, act_calls = rounds * (_gather(s * d * F32, k) + _scatter(b * d * F32, k)), 2 * rounds
+        # each round: gather B/K rows of every worker; backward: the gradients of all K
+        # rounds reduce-scattered back to their owners at once
+        act, act_calls = rounds * (_gather(s * d * F32, k) + _scatter(b * d * F32, k)), rounds + 1
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
     out.append(Transfer(coll.ACTIVATIONS, act, act_calls))
+    # launches of each FC gather, each way: all rounds' rows at once with one FC update per
+    # step; an all-reduce always once per round (collectives.joins_rounds)
+    passes = 1 if fc_batch != "worker" and coll.joins_rounds(k) else rounds
     widths = list(net.hidden) + [net.num_classes]
     plan = split_plan(len(widths), fc_exchange)
     fc, fc_calls = Fraction(0), 0
     for i, width in enumerate(widths[:-1]):
         if plan[i] == ROW:
             fc += 2 * _reduce(n * width * F32, k)  # partial sums forward, gradient backward
-            fc_calls += 2
+            fc_calls += 2 * rounds
         elif plan[i] == COL and plan[i + 1] == COL:
             fc += _gather(n * width // k * F32, k) + _scatter(n * width * F32, k)
-            fc_calls += 2
-    out.append(Transfer(coll.FC_EXCHANGE, rounds * fc, rounds * fc_calls))
+            fc_calls += 2 * passes
+    out.append(Transfer(coll.FC_EXCHANGE, rounds * fc, fc_calls))
     classes = padded(net.num_classes, k)
     if loss == "sharded":
         # max: gathered without gradient; normalizer and target logit: one all-reduce of
         # [n, 2] each way
-        per_round, calls = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k), 3
+        per_round, calls = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k), passes + 2 * rounds
     else:
         per_round = _gather(n * classes // k * F32, k) + _scatter(n * classes * F32, k)
-        calls = 2
-    out.append(Transfer(coll.LOGITS, rounds * per_round, rounds * calls))
+        calls = 2 * passes
+    out.append(Transfer(coll.LOGITS, rounds * per_round, calls))
     return out
 
 
