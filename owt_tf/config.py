@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import time
 from typing import Optional
 
 from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, SCHEMES,
@@ -91,6 +92,7 @@ class RunConfig:
     skip_nonfinite: int = 0  # steps with a non-finite loss or gradient to undo before stopping
     cluster: Optional[str] = None  # host:port,... of every worker (else TF_CONFIG, else local)
     task_index: Optional[int] = None  # this worker's place in --cluster
+    verbose: bool = False  # show TensorFlow's C++ start-up log lines
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
@@ -272,6 +274,11 @@ PRESETS = {
                            lr_schedule="step", lr_decay_epochs="30,60,80", eval_every=5000,
                            checkpoint_every=5000, log_every=100, histogram_every=5000),
 }
+
+
+def new_run_dir() -> str:
+    """Where a run given no --logdir writes: runs/<start time>."""
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
 def lr_factor(config: RunConfig, step: int, steps_per_epoch: float, total_steps: int) -> float:

@@ -12,7 +12,8 @@ import sys
 from typing import List, Optional
 
 from owt_tf.config import (AUGMENTATIONS, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS,
-                           LR_SCHEDULES, PRESETS, SCHEMES, ConfigError, RunConfig)
+                           LR_SCHEDULES, PRESETS, SCHEMES, ConfigError, RunConfig, new_run_dir)
+from owt_tf.startup import start_tensorflow
 
 HELP = {
     "model": "network: alexnet (the paper's, 224x224), vgg16 (224x224), their CPU-sized 32x32 "
@@ -65,6 +66,7 @@ HELP = {
     "cluster": "host:port of every worker, comma-separated, for a multi-worker run (default: "
                "TF_CONFIG if set, else one process); every worker runs the same command",
     "task_index": "this worker's place in --cluster (0 is the chief)",
+    "verbose": "show TensorFlow's C++ start-up log lines (hidden by default)",
 }
 CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
            "loss": LOSS_MODES, "lr_scaling": LR_SCALINGS,
@@ -145,7 +147,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         watch_cluster_start(config)
     except ValueError as err:  # ClusterError: a bad OWT_TF_JOIN_TIMEOUT_S
         return _fail(err)
+    if config.logdir is None:
+        config = config.replace(logdir=new_run_dir())
+    print(run_banner(config), flush=True)
     # TensorFlow loads only now, after the flags were found good.
+    start_tensorflow(config.verbose)
     from owt_tf.data.datasets import DatasetError
     from owt_tf.training.checkpoint import CheckpointMismatch, NoReadableCheckpoint
     from owt_tf.training.loop import Trainer
@@ -176,6 +182,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if trainer.hybrid.num_workers > 1:
         exit_worker(code)
     return code
+
+
+def run_banner(config: RunConfig) -> str:
+    """What the run trains, where it writes and how to watch it: printed before TensorFlow
+    starts, so that a user sees it at once."""
+    workers = config.num_workers
+    k = config.devices * workers
+    spread = f"{config.devices} devices x {workers} workers" if workers > 1 else f"{k} devices"
+    return (f"python -m owt_tf.train: {config.model} on {config.dataset} | K={k} ({spread}) | "
+            f"{config.scheme} | global batch {config.global_batch_size}\n"
+            f"  writing to {config.logdir} (checkpoints, TensorBoard); watch it with: "
+            f"tensorboard --logdir {config.logdir}")
 
 
 def watch_cluster_start(config: RunConfig) -> None:
