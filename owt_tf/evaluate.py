@@ -17,6 +17,8 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
+from owt_tf.startup import start_tensorflow
+
 
 def ten_crops(images: np.ndarray, size) -> List[np.ndarray]:
     """Corner and center crops of `size` and their horizontal mirrors (needs larger images)."""
@@ -69,7 +71,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "directory, or its base path: the newest version)")
     parser.add_argument("--split", default="validation", choices=("validation", "train"))
     parser.add_argument("--ten-crop", action="store_true", help="average 10 crops per image")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorFlow's C++ start-up log lines")
     args = parser.parse_args(argv)
+    start_tensorflow(args.verbose)
 
     from owt_tf.export import ExportError, load_run
     from owt_tf.training.checkpoint import NoReadableCheckpoint
@@ -98,6 +103,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{dataset.name} validation ({ev.examples} images, center crop): "
               f"top-1 error {ev.top1_error:.2%}  top-5 error {ev.top5_error:.2%}")
         return 0
+    if args.ten_crop and not dataset.trains_with_flips:
+        print(f"{parser.prog}: warning: --ten-crop averages 5 crops and their mirror images, "
+              f"but {dataset.name} trains without mirror images: expect a worse error than "
+              "the center crop", file=sys.stderr)
     images = dataset.val_images if args.split == "validation" else dataset.train_images
     labels = dataset.val_labels if args.split == "validation" else dataset.train_labels
     result = evaluate_probabilities(predict, images, labels, size, args.ten_crop)

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from typing import List, Optional, Sequence
 
+from owt_tf.startup import start_tensorflow
+
 EXPORT_SIGNATURE = "serving_default"
 
 
@@ -157,6 +159,8 @@ def load_run(logdir: str):
     from owt_tf.config import RunConfig
     from owt_tf.training.checkpoint import CONFIG_FILE
 
+    if not os.path.isdir(logdir):
+        raise ExportError(f"--logdir {logdir}: no such directory")
     path = os.path.join(logdir, CONFIG_FILE)
     if not os.path.exists(path):
         raise ExportError(f"--logdir {logdir} has no {CONFIG_FILE}: not an owt_tf run")
@@ -179,7 +183,6 @@ def load_run(logdir: str):
 
 def main(argv: Optional[List[str]] = None) -> int:
     from owt_tf.train import OneLineParser
-    from owt_tf.training.checkpoint import NoReadableCheckpoint
 
     parser = OneLineParser(prog="python -m owt_tf.export", description=__doc__)
     parser.add_argument("--logdir", required=True, help="the run directory to export")
@@ -189,7 +192,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the version number (default: one past the newest under --out)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --version")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorFlow's C++ start-up log lines")
     args = parser.parse_args(argv)
+    start_tensorflow(args.verbose)
+    from owt_tf.training.checkpoint import NoReadableCheckpoint
+
     try:
         version_path(args.out, args.version, args.overwrite)  # refused before any work
         trainer = load_run(args.logdir)

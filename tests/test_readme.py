@@ -2,6 +2,7 @@
 exported to models/demo and the export evaluated, each command copied from the README."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -44,5 +45,11 @@ def test_readme_walkthrough_runs_as_written(tmp_path):
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         if "owt_tf.evaluate" in command:
             assert re.search(r"top-1 error [0-9.]+%", proc.stdout), proc.stdout
+        if "--ten-crop" in command:  # digits train without mirror images
+            assert "trains without mirror images" in proc.stderr, proc.stderr[-2000:]
+        if "owt_tf.train" in command:
+            assert "writing to runs/demo" in proc.stdout, proc.stdout[:2000]
+            with open(tmp_path / "runs" / "demo" / "run_config.json") as f:
+                assert json.load(f)["logdir"] == "runs/demo"
     assert os.path.exists(tmp_path / "runs" / "demo" / "checkpoints" / "checkpoint")
     assert os.path.exists(tmp_path / "models" / "demo" / "1" / "saved_model.pb")
