@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 from typing import List, Optional
@@ -82,10 +83,22 @@ EXIT_WORKER_LOST = 5
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but errors are a single line and exit code 2."""
+    """argparse, but errors are a single line and exit code 2, and an unknown flag close to
+    a known one is answered with "did you mean"."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)}\n")
+
+    def _suggestion(self, message: str) -> str:
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        known = [s for action in self._actions for s in action.option_strings]
+        for flag in message[len(prefix):].split():
+            close = difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.75)
+            if flag.startswith("--") and close:
+                return f" (did you mean {close[0]}?)"
+        return ""
 
 
 def device_counts(text: str) -> List[int]:
