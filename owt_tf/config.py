@@ -21,6 +21,8 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 # digits and text are not symmetric); none (training sees the eval view); auto picks per
 # dataset (owt_tf.data.datasets.default_augmentation).
 AUGMENTATIONS = ("auto", "alexnet", "crop", "none")
+# --device-type: where replicas go (owt_tf.devices.device_layout).
+DEVICE_TYPES = ("auto", "gpu", "cpu")
 
 
 _PLAN_FLAGS = {"scheme": "--scheme", "fc_batch": "--fc-batch", "fc_exchange": "--fc-exchange",
@@ -87,7 +89,7 @@ class RunConfig:
     log_every: int = 10
     histogram_every: int = 200
     profile_steps: Optional[str] = None  # "A:B": profiler trace of steps A..B
-    allow_cpu_devices: bool = True
+    device_type: str = "auto"  # auto | gpu | cpu (owt_tf.devices.device_layout)
     deterministic: bool = False  # op determinism: a resumed run is bit-identical
     skip_nonfinite: int = 0  # steps with a non-finite loss or gradient to undo before stopping
     cluster: Optional[str] = None  # host:port,... of every worker (else TF_CONFIG, else local)
@@ -171,6 +173,7 @@ class RunConfig:
         elif not os.path.isdir(self.dataset[len("folder:"):]):
             raise ConfigError("--dataset", f"{self.dataset}: no such directory")
         _choice("--augment", self.augment, AUGMENTATIONS)
+        _choice("--device-type", self.device_type, DEVICE_TYPES)
         if self.dataset in ("digits", "synthetic") and self.augment not in ("auto", "none"):
             raise ConfigError("--augment", f"{self.dataset} is held in memory and never "
                               "augmented; use a folder:, tfds: or imagenet2012 dataset")

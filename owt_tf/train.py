@@ -13,7 +13,8 @@ import sys
 from typing import List, Optional
 
 from owt_tf.config import (AUGMENTATIONS, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS,
-                           LR_SCHEDULES, PRESETS, SCHEMES, ConfigError, RunConfig, new_run_dir)
+                           LR_SCHEDULES, PRESETS, SCHEMES, ConfigError, RunConfig, new_run_dir,
+                           DEVICE_TYPES)
 from owt_tf.startup import start_tensorflow
 
 HELP = {
@@ -59,7 +60,8 @@ HELP = {
     "log_every": "write training scalars to TensorBoard every N steps",
     "histogram_every": "write weight and gradient histograms every N steps (0: never)",
     "profile_steps": "A:B: record a TensorBoard profiler trace of steps A to B",
-    "allow_cpu_devices": "use logical CPU devices when there are fewer GPUs than --devices",
+    "device_type": "auto: K GPUs, fewer GPUs each split into K/G logical GPUs, no GPU: K logical "
+                   "CPUs; gpu: the same but no GPU is an error; cpu: logical CPUs even with GPUs",
     "deterministic": "deterministic ops (tf.config.experimental.enable_op_determinism): a run "
                      "killed and resumed ends bit-identical to one never stopped; not with --jit",
     "skip_nonfinite": "undo and skip up to N steps whose loss or gradient is not finite, "
@@ -71,7 +73,7 @@ HELP = {
 }
 CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
            "loss": LOSS_MODES, "lr_scaling": LR_SCALINGS,
-           "augment": AUGMENTATIONS}
+           "augment": AUGMENTATIONS, "device_type": DEVICE_TYPES}
 
 
 # Exit codes: 0 done, 2 bad flags or input (nothing written), 3 non-finite loss or gradient,

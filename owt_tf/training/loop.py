@@ -19,7 +19,7 @@ import tensorflow as tf
 from owt_tf.config import ConfigError, RunConfig, lr_factor, new_run_dir
 from owt_tf.data.datasets import load_dataset
 from owt_tf.data.stats import settle_normalisation
-from owt_tf.devices import setup_devices
+from owt_tf.devices import DeviceError, setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.plan import PlanError
 from owt_tf.parallel.strategy import HybridStrategy
@@ -113,7 +113,10 @@ class Trainer:
             # implementation then raise instead of silently varying.
             tf.config.experimental.enable_op_determinism()
         k = config.devices  # this process's; K = k * workers
-        self.devices = list(devices or setup_devices(k, config.allow_cpu_devices))[:k]
+        try:
+            self.devices = list(devices or setup_devices(k, config.device_type))[:k]
+        except DeviceError as err:
+            raise ConfigError("--devices", str(err)) from None
         # First: a cluster's strategy configures collectives, which must precede any op.
         self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
                                      config.fc_batch, config.fc_exchange, config.loss,
