@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import sys
 from typing import List, Optional
 
-from owt_tf.config import (AUGMENTATIONS, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS,
+from owt_tf.config import (AUGMENTATIONS, DEVICE_TYPES, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS,
                            LR_SCHEDULES, PRESETS, SCHEMES, RunConfig)
 
 TRAIN_DESCRIPTION = """`python -m owt_tf.train`: train a CNN with the hybrid scheme. No flags: the demo run.
@@ -63,7 +64,8 @@ TRAIN_HELP = {
     "log_every": "write training scalars to TensorBoard every N steps",
     "histogram_every": "write weight and gradient histograms every N steps (0: never)",
     "profile_steps": "A:B: record a TensorBoard profiler trace of steps A to B",
-    "allow_cpu_devices": "use logical CPU devices when there are fewer GPUs than --devices",
+    "device_type": "auto: K GPUs, fewer GPUs each split into K/G logical GPUs, no GPU: K logical "
+                   "CPUs; gpu: the same but no GPU is an error; cpu: logical CPUs even with GPUs",
     "deterministic": "deterministic ops (tf.config.experimental.enable_op_determinism): a run "
                      "killed and resumed ends bit-identical to one never stopped; not with --jit",
     "skip_nonfinite": "undo and skip up to N steps whose loss or gradient is not finite, "
@@ -71,17 +73,30 @@ TRAIN_HELP = {
     "cluster": "host:port of every worker, comma-separated, for a multi-worker run (default: "
                "TF_CONFIG if set, else one process); every worker runs the same command",
     "task_index": "this worker's place in --cluster (0 is the chief)",
+    "verbose": "show TensorFlow's C++ start-up log lines (hidden by default)",
 }
 TRAIN_CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
            "loss": LOSS_MODES, "lr_scaling": LR_SCALINGS,
-           "augment": AUGMENTATIONS}
+           "augment": AUGMENTATIONS, "device_type": DEVICE_TYPES}
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but errors are a single line and exit code 2."""
+    """argparse, but errors are a single line and exit code 2, and an unknown flag close to
+    a known one is answered with "did you mean"."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)}\n")
+
+    def _suggestion(self, message: str) -> str:
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        known = [s for action in self._actions for s in action.option_strings]
+        for flag in message[len(prefix):].split():
+            close = difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.75)
+            if flag.startswith("--") and close:
+                return f" (did you mean {close[0]}?)"
+        return ""
 
 
 def fail(prog: str, message: object) -> int:

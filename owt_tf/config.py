@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import time
 from typing import Optional
 
 from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, SCHEMES,
@@ -20,6 +21,8 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 # digits and text are not symmetric); none (training sees the eval view); auto picks per
 # dataset (owt_tf.data.datasets.default_augmentation).
 AUGMENTATIONS = ("auto", "alexnet", "crop", "none")
+# --device-type: where replicas go (owt_tf.devices.device_layout).
+DEVICE_TYPES = ("auto", "gpu", "cpu")
 
 
 _PLAN_FLAGS = {"scheme": "--scheme", "fc_batch": "--fc-batch", "fc_exchange": "--fc-exchange",
@@ -86,11 +89,12 @@ class RunConfig:
     log_every: int = 10
     histogram_every: int = 200
     profile_steps: Optional[str] = None  # "A:B": profiler trace of steps A..B
-    allow_cpu_devices: bool = True
+    device_type: str = "auto"  # auto | gpu | cpu (owt_tf.devices.device_layout)
     deterministic: bool = False  # op determinism: a resumed run is bit-identical
     skip_nonfinite: int = 0  # steps with a non-finite loss or gradient to undo before stopping
     cluster: Optional[str] = None  # host:port,... of every worker (else TF_CONFIG, else local)
     task_index: Optional[int] = None  # this worker's place in --cluster
+    verbose: bool = False  # show TensorFlow's C++ start-up log lines
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
@@ -169,6 +173,7 @@ class RunConfig:
         elif not os.path.isdir(self.dataset[len("folder:"):]):
             raise ConfigError("--dataset", f"{self.dataset}: no such directory")
         _choice("--augment", self.augment, AUGMENTATIONS)
+        _choice("--device-type", self.device_type, DEVICE_TYPES)
         if self.dataset in ("digits", "synthetic") and self.augment not in ("auto", "none"):
             raise ConfigError("--augment", f"{self.dataset} is held in memory and never "
                               "augmented; use a folder:, tfds: or imagenet2012 dataset")
@@ -272,6 +277,11 @@ PRESETS = {
                            lr_schedule="step", lr_decay_epochs="30,60,80", eval_every=5000,
                            checkpoint_every=5000, log_every=100, histogram_every=5000),
 }
+
+
+def new_run_dir() -> str:
+    """Where a run given no --logdir writes: runs/<start time>."""
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
 def lr_factor(config: RunConfig, step: int, steps_per_epoch: float, total_steps: int) -> float:

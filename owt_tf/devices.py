@@ -1,6 +1,7 @@
 """Devices and the tf.distribute strategy: the one place that decides where replicas run.
 
-K GPUs when the machine has them, else K logical CPUs carved out of the host CPU. Logical
+K GPUs when the machine has them; fewer GPUs split into K logical GPUs; no GPU: K logical
+CPUs carved out of the host CPU (`device_layout`; --device-type chooses explicitly). Logical
 devices can only be configured before TensorFlow initializes its runtime, so entry points
 call `setup_devices` before anything else touches TensorFlow ops.
 
@@ -10,13 +11,17 @@ worker's D devices as its local replicas; K = W * D.
 """
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 import threading
-from typing import Callable, List, Sequence, TypeVar
+from typing import Callable, List, Optional, Sequence, TypeVar
 
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
 
 from owt_tf.cluster import Cluster
+from owt_tf.config import DEVICE_TYPES
 
 T = TypeVar("T")
 
@@ -25,25 +30,96 @@ class DeviceError(RuntimeError):
     """The requested device layout cannot be had in this process."""
 
 
-def setup_devices(k: int, allow_cpu_devices: bool = True) -> List[str]:
-    """Returns the names of K devices to place replicas on (GPUs first, else logical CPUs).
+@dataclasses.dataclass(frozen=True)
+class DeviceLayout:
+    """Where K replicas go: K physical GPUs, G GPUs each split into `per_gpu` logical GPUs,
+    or K logical CPUs."""
 
-    Raises DeviceError when fewer than K GPUs exist and logical CPUs are not allowed, or
-    when TensorFlow's runtime was already initialized with fewer than K CPU devices.
+    kind: str  # "gpu", "logical_gpu" or "cpu"
+    per_gpu: int = 1
+
+    def note(self, k: int, num_gpus: int) -> Optional[str]:
+        """The line a run prints when its replicas share a GPU; None otherwise."""
+        if self.kind != "logical_gpu":
+            return None
+        return (f"owt_tf: K={k} on {num_gpus} GPU(s): each split into {self.per_gpu} logical "
+                "GPUs that share its compute and memory (right numbers, not K GPUs' speed)")
+
+
+def device_layout(k: int, num_gpus: int, device_type: str = "auto") -> DeviceLayout:
+    """The layout for K replicas on a machine with `num_gpus` GPUs.
+
+    auto: K GPUs when there are that many; fewer (at least one): every GPU split into K/G
+    logical GPUs, so no GPU idles while the CPU trains; none: K logical CPUs. gpu: as auto,
+    but no GPU is an error. cpu: K logical CPUs whatever the machine has.
     """
     if k < 1:
         raise DeviceError(f"need at least 1 device, got {k}")
+    if device_type not in DEVICE_TYPES:
+        raise DeviceError(f"device type {device_type!r}: expected one of {', '.join(DEVICE_TYPES)}")
+    if device_type == "cpu":
+        return DeviceLayout("cpu")
+    if num_gpus >= k:
+        return DeviceLayout("gpu")
+    if num_gpus == 0:
+        if device_type == "gpu":
+            raise DeviceError(f"{k} GPUs requested but none found (--device-type cpu trains on "
+                              "logical CPU devices)")
+        return DeviceLayout("cpu")
+    if k % num_gpus:
+        raise DeviceError(f"K={k} replicas over {num_gpus} GPUs: K must be a multiple of the GPU "
+                          "count (each GPU is split into K/G logical GPUs)")
+    return DeviceLayout("logical_gpu", k // num_gpus)
+
+
+def setup_devices(k: int, device_type: str = "auto") -> List[str]:
+    """Returns the names of K devices to place replicas on (see `device_layout`), configuring
+    logical devices first where the layout needs them.
+
+    Raises DeviceError when the layout cannot be had, or when TensorFlow's runtime was
+    already initialized with fewer devices than it needs.
+    """
     gpus = tf.config.list_physical_devices("GPU")
-    if len(gpus) >= k:
+    layout = device_layout(k, len(gpus), device_type)
+    if layout.kind == "gpu":
         return [f"/device:GPU:{i}" for i in range(k)]
-    if gpus and not allow_cpu_devices:
-        raise DeviceError(
-            f"{k} GPUs requested but only {len(gpus)} found; allow logical CPU devices to "
-            "run anyway"
-        )
-    if not gpus and not allow_cpu_devices:
-        raise DeviceError(f"{k} GPUs requested but none found and logical CPUs were not allowed")
+    if layout.kind == "logical_gpu":
+        names = logical_gpu_devices(gpus, layout.per_gpu)
+        print(layout.note(k, len(gpus)), file=sys.stderr)
+        return names
     return logical_cpu_devices(k)
+
+
+def logical_gpu_devices(gpus: Sequence, per_gpu: int) -> List[str]:
+    """Every physical GPU split into `per_gpu` logical GPUs, each given an equal part of its
+    memory (TensorFlow needs a memory limit per logical GPU); before TensorFlow initializes.
+    MirroredStrategy then picks RING collectives (NCCL cannot run between logical GPUs of one
+    device)."""
+    for index, gpu in enumerate(gpus):
+        existing = tf.config.get_logical_device_configuration(gpu)
+        if existing is not None and len(existing) == per_gpu:
+            continue
+        limit = int(_gpu_memory_mb(index) * 0.9) // per_gpu
+        try:
+            tf.config.set_logical_device_configuration(
+                gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=limit)] * per_gpu)
+        except RuntimeError as err:  # runtime already initialized
+            raise DeviceError(f"{per_gpu} logical GPUs per GPU requested but TensorFlow was "
+                              "already initialized; call owt_tf.setup_devices before any "
+                              "TensorFlow op") from err
+    return [f"/device:GPU:{i}" for i in range(len(gpus) * per_gpu)]
+
+
+def _gpu_memory_mb(index: int) -> int:
+    """GPU `index`'s memory in MiB, from nvidia-smi (TensorFlow reports it only once its
+    runtime is up, and then logical devices can no longer be configured)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+                              "-i", str(index)], capture_output=True, text=True, timeout=30, check=True)
+        return int(out.stdout.strip().splitlines()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as err:
+        raise DeviceError(f"cannot read GPU {index}'s memory with nvidia-smi ({err}); split GPUs "
+                          "need it: use --devices <number of GPUs> or --device-type cpu") from None
 
 
 def logical_cpu_devices(k: int) -> List[str]:

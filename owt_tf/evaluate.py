@@ -14,6 +14,7 @@ import sys
 from typing import List, Optional
 
 from owt_tf.cli import OneLineParser, fail
+from owt_tf.startup import start_tensorflow
 
 PROG = "python -m owt_tf.evaluate"
 
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory, or its base path: the newest version)")
     parser.add_argument("--split", default="validation", choices=("validation", "train"))
     parser.add_argument("--ten-crop", action="store_true", help="average 10 crops per image")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorFlow's C++ start-up log lines")
     return parser
 
 
@@ -34,6 +37,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
 
     # TensorFlow loads only now, after the flags were found good.
+    start_tensorflow(args.verbose)
     from owt_tf.training.checkpoint import NoReadableCheckpoint
     from owt_tf.training.evaluation import evaluate_probabilities, softmax_predictor
     from owt_tf.training.runs import load_run
@@ -57,6 +61,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{dataset.name} validation ({ev.examples} images, center crop): "
               f"top-1 error {ev.top1_error:.2%}  top-5 error {ev.top5_error:.2%}")
         return 0
+    if args.ten_crop and not dataset.trains_with_flips:
+        print(f"{PROG}: warning: --ten-crop averages 5 crops and their mirror images, but "
+              f"{dataset.name} trains without mirror images: expect a worse error than the "
+              "center crop", file=sys.stderr)
     images = dataset.val_images if args.split == "validation" else dataset.train_images
     labels = dataset.val_labels if args.split == "validation" else dataset.train_labels
     result = evaluate_probabilities(predict, images, labels, size, args.ten_crop)

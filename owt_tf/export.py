@@ -16,6 +16,7 @@ import sys
 from typing import List, Optional
 
 from owt_tf.cli import OneLineParser, fail
+from owt_tf.startup import start_tensorflow
 
 PROG = "python -m owt_tf.export"
 
@@ -29,12 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the version number (default: one past the newest under --out)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --version")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorFlow's C++ start-up log lines")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-
+    start_tensorflow(args.verbose)  # TensorFlow loads only now, after the flags were found good
     from owt_tf.training.checkpoint import NoReadableCheckpoint
     from owt_tf.training.runs import export_run
     from owt_tf.training.serving import ExportError, version_path

@@ -225,7 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse's REMAINDER takes flags only after the first positional; train's flags
+        # given without "--" land here.
+        parser.error(f"{' '.join(unknown)}: python -m owt_tf.train's flags go after --, "
+                     "e.g. python -m owt_tf.launch --workers 2 -- --steps 100")
     flags = args.train_flags[1:] if args.train_flags[:1] == ["--"] else args.train_flags
     try:
         return run(args.workers, args.devices_per_worker, flags, args.grace)

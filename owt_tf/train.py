@@ -11,7 +11,8 @@ import sys
 from typing import List, Optional
 
 from owt_tf.cli import fail, parse_config
-from owt_tf.config import ConfigError, RunConfig
+from owt_tf.config import ConfigError, RunConfig, new_run_dir
+from owt_tf.startup import start_tensorflow
 
 # Exit codes: 0 done, 2 bad flags or input (nothing written), 3 non-finite loss or gradient,
 # 4 a checkpoint could not be written, 5 another worker of the cluster is gone (restart all
@@ -32,7 +33,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         watch_cluster_start(config)
     except ValueError as err:  # ClusterError: a bad OWT_TF_JOIN_TIMEOUT_S
         return fail(PROG, err)
+    if config.logdir is None:
+        config = config.replace(logdir=new_run_dir())
+    print(run_banner(config), flush=True)
     # TensorFlow loads only now, after the flags were found good.
+    start_tensorflow(config.verbose)
     from owt_tf.data.datasets import DatasetError
     from owt_tf.training.checkpoint import CheckpointMismatch, NoReadableCheckpoint
     from owt_tf.training.loop import Trainer
@@ -63,6 +68,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if trainer.hybrid.num_workers > 1:
         exit_worker(code)
     return code
+
+
+def run_banner(config: RunConfig) -> str:
+    """What the run trains, where it writes and how to watch it: printed before TensorFlow
+    starts, so that a user sees it at once."""
+    workers = config.num_workers
+    k = config.devices * workers
+    spread = f"{config.devices} devices x {workers} workers" if workers > 1 else f"{k} devices"
+    return (f"python -m owt_tf.train: {config.model} on {config.dataset} | K={k} ({spread}) | "
+            f"{config.scheme} | global batch {config.global_batch_size}\n"
+            f"  writing to {config.logdir} (checkpoints, TensorBoard); watch it with: "
+            f"tensorboard --logdir {config.logdir}")
 
 
 def watch_cluster_start(config: RunConfig) -> None:

@@ -114,6 +114,17 @@ def test_cli_rejects_bad_flags_in_one_line(tmp_path, args, flag):
     assert set(os.listdir(tmp_path)) == before  # nothing written
 
 
+def test_a_mistyped_flag_gets_a_suggestion_and_launch_says_where_train_flags_go(tmp_path):
+    proc = _cli("--batch-sise", "3", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("(did you mean --batch-size?)"), proc.stderr
+    far = _cli("--zzz", cwd=tmp_path)
+    assert far.returncode == 2 and "did you mean" not in far.stderr, far.stderr
+    launch = subprocess.run([sys.executable, "-m", "owt_tf.launch", "--workers", "2", "--steps", "5"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert launch.returncode == 2 and "flags go after --" in launch.stderr, launch.stderr
+    assert launch.stdout == "" and os.listdir(tmp_path) == []  # nothing started or written
+
+
 def test_cli_dataset_and_output_errors_in_one_line(tmp_path):
     """Errors found once TensorFlow is up: still exit 2, one error line, nothing written."""
     busy = tmp_path / "busy_export"  # a file where the model base path should be

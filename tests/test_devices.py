@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from conftest import NUM_TEST_DEVICES
-from owt_tf.devices import DeviceError, make_strategy, setup_devices
+from owt_tf.devices import DeviceError, device_layout, make_strategy, setup_devices
 
 
 def test_session_has_its_logical_cpus(devices):
@@ -25,8 +25,28 @@ def test_more_devices_than_initialized_is_a_clear_error(devices):
 
 
 def test_gpus_required_but_absent():
-    with pytest.raises(DeviceError, match="GPUs requested"):
-        setup_devices(2, allow_cpu_devices=False)
+    with pytest.raises(DeviceError, match="GPUs requested but none found"):
+        setup_devices(2, "gpu")
+
+
+@pytest.mark.parametrize("k,gpus,device_type,kind,per_gpu", [
+    (4, 8, "auto", "gpu", 1), (4, 4, "gpu", "gpu", 1),
+    (4, 1, "auto", "logical_gpu", 4), (8, 2, "gpu", "logical_gpu", 4),  # no GPU left idle
+    (4, 0, "auto", "cpu", 1), (4, 8, "cpu", "cpu", 1),
+])
+def test_device_layout(k, gpus, device_type, kind, per_gpu):
+    layout = device_layout(k, gpus, device_type)
+    assert (layout.kind, layout.per_gpu) == (kind, per_gpu)
+    assert (layout.note(k, gpus) is not None) == (kind == "logical_gpu")
+
+
+@pytest.mark.parametrize("k,gpus,device_type,message", [
+    (6, 4, "auto", "multiple of the GPU count"), (2, 0, "gpu", "none found"),
+    (2, 1, "tpu", "expected one of auto, gpu, cpu"), (0, 1, "auto", "at least 1"),
+])
+def test_device_layouts_that_cannot_be_had(k, gpus, device_type, message):
+    with pytest.raises(DeviceError, match=message):
+        device_layout(k, gpus, device_type)
 
 
 def test_zero_devices():

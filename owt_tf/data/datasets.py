@@ -50,6 +50,9 @@ class ArrayDataset:
     mean: Tuple[float, ...]
     std: Tuple[float, ...]
 
+    # Array datasets train on the images as they are: no crops, no mirror images.
+    trains_with_flips = False
+
     def label_names(self) -> Tuple[str, ...]:
         """Class names by label (digits: '0'...'9')."""
         return tuple(str(i) for i in range(self.num_classes))
@@ -186,6 +189,10 @@ class StreamDataset:
     mean: Tuple[float, ...] = (123.68, 116.78, 103.94)
     std: Tuple[float, ...] = (58.4, 57.1, 57.4)
     augment: str = "alexnet"  # AUGMENTATIONS less 'auto'; load_dataset resolves it
+
+    @property
+    def trains_with_flips(self) -> bool:
+        return self.augment == "alexnet"
 
     @property
     def has_own_statistics(self) -> bool:

@@ -87,7 +87,7 @@ def train_one(config: RunConfig, num_train: int) -> Dict[str, object]:
     from owt_tf.training.guard import NonFiniteError
     from owt_tf.training.loop import Trainer
 
-    trainer = Trainer(config, setup_devices(config.devices, config.allow_cpu_devices))
+    trainer = Trainer(config, setup_devices(config.devices, config.device_type))
     started = time.perf_counter()
     try:
         return trainer.fit(log=lambda _: None, progress=False)

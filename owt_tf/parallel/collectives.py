@@ -274,6 +274,7 @@ def _all_to_all_blocks(blocks: tf.Tensor) -> tf.Tensor:
         exchanged = collective_ops.all_to_all_v2(
             blocks, launcher._group_size, launcher._group_key,  # pylint: disable=protected-access
             launcher._next_instance_key(),  # pylint: disable=protected-access
+            communication_hint=launcher._options.implementation.value,  # pylint: disable=protected-access
             ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
     exchanged.set_shape(blocks.shape)
     return exchanged

@@ -16,10 +16,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.config import ConfigError, RunConfig, lr_factor
+from owt_tf.config import ConfigError, RunConfig, lr_factor, new_run_dir
 from owt_tf.data.datasets import load_dataset
 from owt_tf.data.stats import settle_normalisation
-from owt_tf.devices import setup_devices
+from owt_tf.devices import DeviceError, setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.plan import PlanError
 from owt_tf.parallel.strategy import HybridStrategy
@@ -62,6 +62,28 @@ def _model_spec(config: RunConfig, num_classes: Optional[int]):
         raise ConfigError("--model", str(err)) from None
 
 
+class _ProgressLines:
+    """Keras' Progbar and the run's log lines on one terminal. The live bar redraws its line
+    with a carriage return and no newline until the last step, so a log line written
+    meanwhile would be glued to it: it starts a new line first."""
+
+    def __init__(self, steps: int, verbose: int, log: Callable[[str], None]):
+        self.bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "error", "img/s"],
+                                       verbose=verbose)
+        self._log = log
+        self._line_open = False
+
+    def update(self, step: int, values) -> None:
+        self.bar.update(step, values)
+        self._line_open = bool(self.bar.verbose) and step < self.bar.target
+
+    def log(self, text: str) -> None:
+        if self._line_open:
+            sys.stdout.write("\n")
+            self._line_open = False
+        self._log(text)
+
+
 class Trainer:
     """One run: data, the distributed model, its optimizer and the compiled step."""
 
@@ -69,8 +91,10 @@ class Trainer:
                  read_only: bool = False):
         """`read_only`: only restore and run the model (evaluate, export): no lock, and
         damaged checkpoints are skipped but not moved aside."""
-        self.config = config.validate()
-        self.logdir = config.logdir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        self.logdir = config.logdir or new_run_dir()
+        # run_config.json and TensorBoard's config text record the directory resolved.
+        self.config = dataclasses.replace(config.validate(), logdir=self.logdir)
+        config = self.config
         self.read_only = read_only
         # The run's writer (the chief of a cluster) locks the logdir before anything else,
         # so a second run on it stops at once; the lock dies with the process.
@@ -90,7 +114,10 @@ class Trainer:
             # implementation then raise instead of silently varying.
             tf.config.experimental.enable_op_determinism()
         k = config.devices  # this process's; K = k * workers
-        self.devices = list(devices or setup_devices(k, config.allow_cpu_devices))[:k]
+        try:
+            self.devices = list(devices or setup_devices(k, config.device_type))[:k]
+        except DeviceError as err:
+            raise ConfigError("--devices", str(err)) from None
         # First: a cluster's strategy configures collectives, which must precede any op.
         self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
                                      config.fc_batch, config.fc_exchange, config.loss,
@@ -271,8 +298,8 @@ class Trainer:
         summaries.sample_images(self.dataset.sample_images(), first)
         # A live bar on a terminal; in a log file only the periodic lines below.
         verbose = (1 if sys.stdout.isatty() else 0) if progress else 0
-        bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "error", "img/s"],
-                                  verbose=verbose)
+        bar = _ProgressLines(steps, verbose, log)
+        log = bar.log
         steps_per_epoch = self.dataset.num_train / config.global_batch_size
         val_history: List[List[float]] = []  # [epoch, val top-1 error] at every validation
         started = time.perf_counter()
@@ -307,7 +334,10 @@ class Trainer:
                 "non-finite steps")
         workers = (f" ({self.hybrid.num_workers} workers x {len(self.devices)})"
                    if self.hybrid.num_workers > 1 else "")
-        log(f"done: {steps} steps in {wall:.1f}s | {config.scheme} on "
+        ran = steps - first + 1
+        done = (f"{steps} steps" if first == 1 else
+                f"steps {first}-{steps} ({ran} this run, {steps} in all)")
+        log(f"done: {done} in {wall:.1f}s | {config.scheme} on "
             f"{self.hybrid.num_replicas} devices{workers} | val top-1 error {ev.top1_error:.2%} "
             f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
             f"{summary['images_per_sec']:.0f} img/s | "

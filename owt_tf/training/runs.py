@@ -18,6 +18,8 @@ from owt_tf.training.serving import ExportError, export_saved_model
 
 def load_run(logdir: str) -> Trainer:
     """A Trainer on one device restored from the latest checkpoint in `logdir`."""
+    if not os.path.isdir(logdir):
+        raise ExportError(f"--logdir {logdir}: no such directory")
     path = os.path.join(logdir, CONFIG_FILE)
     if not os.path.exists(path):
         raise ExportError(f"--logdir {logdir} has no {CONFIG_FILE}: not an owt_tf run")
