@@ -185,7 +185,7 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
     if plan.updates_fc_every_round:
         # round r+1 runs on the FC weights round r updated
         forwards, applied = [], []
-        input_grads: List[tf.Tensor] = []
+        input_grads = []
         for r in range(plan.num_rounds):
             fwd = _forward(plan, head, [r], [inputs[r]], [labels[r]], shard, training, seed, False)
             grads = fwd.tape.gradient(fwd.losses[0], [inputs[r]] + shard_vars)
