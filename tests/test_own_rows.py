@@ -94,3 +94,30 @@ def test_rows_outside_the_batch_are_refused(tmp_path):
     ds = load_dataset(f"folder:{corrupt_folder(tmp_path / 'd', per_label=4, bad=0)}", (32, 32, 3))
     with pytest.raises(DatasetError, match="not rows of a global batch of 8"):
         ds.train_rows(8, SEED, 0, (6, 4))
+
+
+def test_a_global_batch_without_a_readable_image_stops_before_its_step(tmp_path):
+    """1 readable training image of 24: a global batch of 4 that holds none gives zero rows
+    marked failed = 4 (never a short batch), and the run stops before that step, its
+    weights untouched, with a DatasetError (the CLI's exit 2)."""
+    from owt_tf.config import RunConfig
+    from owt_tf.training.loop import Trainer
+
+    root = corrupt_folder(tmp_path / "d", per_label=8, bad=8)
+    keep = root / "train" / "a" / "1.jpg"  # one readable image (garbage in the tree)
+    keep.write_bytes(tf.io.encode_jpeg(np.full((40, 46, 3), 90, np.uint8)).numpy())
+    ds = load_dataset(f"folder:{root}", (32, 32, 3), augment="none")
+    batches = _batches(ds, 4, count=6)
+    empty = [b for b in batches if (b[3] == 4).all()]
+    black = (0.0 - np.float32(ds.mean)) / np.float32(ds.std)  # zero pixels, normalised
+    assert empty and all(np.allclose(b[0], black) for b in empty)
+    assert all(b[0].shape[0] == 4 and ((b[3] == 4).all() or not (b[3] == 4).any())
+               for b in batches)
+    first_empty = next(i for i, b in enumerate(batches) if (b[3] == 4).all())
+    config = RunConfig(dataset=f"folder:{root}", devices=2, scheme="owt-b", batch_size=2,
+                       steps=6, eval_every=0, seed=SEED, augment="none",
+                       logdir=str(tmp_path / "run"))
+    trainer = Trainer(config)
+    with pytest.raises(DatasetError, match="none of the 4 training images of the global batch"):
+        trainer.fit(log=lambda line: None, progress=False)
+    assert int(trainer.step) == first_empty
