@@ -108,7 +108,8 @@ def _tree(root, files):
 
 def test_formats_are_read_by_content_and_broken_jpegs_skipped(tmp_path):
     """A JPEG named .png and a PNG named .jpg train; truncated JPEGs (end marker missing, the
-    header intact, so a window above the cut would decode) are skipped like any bad file."""
+    header intact, so a window above the cut would decode) are skipped like any bad file:
+    their rows hold the next readable image of the batch, and are counted."""
     files = {}
     for i in range(6):
         img = _photo(200, 150, i)  # portrait: windows of 131 of its 200 rows, from any top row
@@ -118,12 +119,14 @@ def test_formats_are_read_by_content_and_broken_jpegs_skipped(tmp_path):
         files[("train", "c_truncated", f"{i}.jpg")] = jpeg[: len(jpeg) * 4 // 5]
         files[("validation", "a_jpeg_as_png", f"{i}.png")] = jpeg
     ds = load_dataset(f"folder:{_tree(tmp_path, files)}", (32, 32, 3))
-    batches = list(ds.train(6, seed=0).take(6))
-    labels = np.concatenate([y.numpy() for _, y, _ in batches])
-    positions = np.concatenate([p.numpy() for _, _, p in batches])
+    batches = list(ds.train_rows(6, seed=0).take(6))
+    labels = np.concatenate([y.numpy() for _, y, _, _ in batches])
+    positions = np.concatenate([p.numpy() for _, _, p, _ in batches])
+    failed = np.concatenate([f.numpy() for _, _, _, f in batches])
     assert set(labels.tolist()) == {0, 1}  # every readable file, no truncated one
-    assert len(set(positions.tolist())) == 36 and positions.max() >= 36 + 12  # gaps: skipped
-    assert all(np.isfinite(x.numpy()).all() for x, _, _ in batches)
+    np.testing.assert_array_equal(positions, np.arange(36))  # no gaps: rows filled in place
+    assert np.count_nonzero(failed) == 12  # 2 epochs of 18 files, 6 of them truncated
+    assert all(np.isfinite(x.numpy()).all() for x, _, _, _ in batches)
 
 
 def test_resume_across_a_draw_chunk_gives_the_same_batches(tmp_path):

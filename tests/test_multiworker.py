@@ -355,3 +355,53 @@ def test_faults_while_checkpointing_and_a_missing_worker_then_the_same_command_r
             assert np.max(np.abs(got[name] - want[name])) <= 1e-5 * (np.max(np.abs(want[name])) + 1e-12), name
         else:
             assert np.array_equal(got[name], want[name]), name
+
+
+# -- streamed input: every worker decodes only its own rows ---------------------------------
+
+def _decoded_lines(output):
+    """{worker: (images it decoded, images of its steps' global batches)} from the launcher's output."""
+    found = re.findall(r"\[worker (\d)\] input: this worker decoded (\d+) of the (\d+) training", output)
+    return {int(w): (int(n), int(m)) for w, n, m in found}
+
+
+@pytest.mark.slow
+def test_folder_with_corrupt_images_equals_one_process_and_resumes(tmp_path):
+    """2 workers x 2 devices on a folder: dataset with unreadable images, run as two
+    invocations (--steps 3, then --steps 6), equal to one process of 4 devices at both
+    checkpoints (1e-5; the stream position and the unreadable count exactly), each worker
+    having decoded about half of the images."""
+    from test_own_rows import corrupt_folder
+
+    root = corrupt_folder(tmp_path / "data")  # 6 of 30 training images unreadable
+    batch, steps = 2, 6
+    flags = ["--dataset", f"folder:{root}", "--scheme", "owt-b", "--batch-size", str(batch),
+             "--lr", str(LR), "--augment", "alexnet", *COMMON[2:], "--checkpoint-every", "3"]
+    one = str(tmp_path / "one")
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.train", "--devices", str(K), *flags,
+                           "--steps", str(steps), "--logdir", one],
+                          capture_output=True, text=True, env=_env(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cluster = str(tmp_path / "cluster")
+    runs = [_launch(tmp_path, *flags, "--steps", str(n), "--logdir", cluster) for n in (3, steps)]
+    for run in runs:
+        assert run.returncode == 0, run.stdout[-4000:]
+    assert "resumed from" in runs[1].stdout
+    for step in (3, steps):
+        want, got = _tensors(one, step), _tensors(cluster, step)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            if want[name].dtype.kind == "f":
+                scale = np.max(np.abs(want[name])) + 1e-12
+                assert np.max(np.abs(got[name] - want[name])) <= 1e-5 * scale, (step, name)
+            else:
+                assert np.array_equal(got[name], want[name]), (step, name)
+    final = _tensors(cluster, steps)
+    assert int(final["data_position/.ATTRIBUTES/VARIABLE_VALUE"]) == steps * K * batch
+    assert int(final["skipped_images/.ATTRIBUTES/VARIABLE_VALUE"]) > 0
+    for run in runs:
+        decoded = _decoded_lines(run.stdout)
+        assert sorted(decoded) == [0, 1], run.stdout[-3000:]
+        for n, m in decoded.values():
+            assert m == 3 * K * batch  # the images of 3 global batches
+            assert m / WORKERS <= n <= 0.7 * m  # its half, and a few tried for unreadable rows

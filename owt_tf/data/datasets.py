@@ -12,10 +12,24 @@ experimental_distribute_dataset gives replica k rows k*B ... (k+1)*B-1 of it, so
 sees the same examples whatever K is (the run contract, docs/design.md).
 
 Training batches are (images, labels, positions): an example's position is its index in
-the endless, seeded input stream, counted before anything is decoded. Streamed images that
-cannot be decoded (corrupt, truncated) are dropped and show up as gaps in the positions,
-which is how the loop counts them; the position after the last example used is what a
-resumed run starts from, so a run with bad images resumes exactly.
+the endless, seeded input stream, counted before anything is decoded; the position after
+the last example used is what a resumed run starts from.
+
+Streamed datasets decode only the rows a process keeps (`StreamDataset.train_rows`: a
+worker of a cluster decodes its D*B rows of each global batch, not all B*K), so the rule
+for an image that cannot be decoded (corrupt, truncated) is one every row applies on its
+own: row r of a global batch holds the record at its own position if that decodes, else
+the first record of the same global batch after it (r+1, r+2, ... wrapping round) that
+does, cropped and flipped by row r's own draws. Only the global batch's undecoded records
+(file names, or encoded bytes) and the row's index decide a row, so any K and W give the
+same rows, positions have no gaps (a resume starts at steps * B*K) and a row is counted as
+skipped when its own record failed (the 4th element, `failed`: how many candidates failed
+before the row's image). Why not an index of the unreadable records made before training:
+finding them is a full decode of the split (an epoch of decoding for ImageNet) before the
+first step, a file that must match the data it was made from, and a JPEG whose crop window
+decodes while the whole image does not would be judged by another decode than the one
+training runs; the per-row rule needs none of that. Its cost: an unreadable image's row
+repeats another example of its batch.
 """
 from __future__ import annotations
 
@@ -28,7 +42,7 @@ import tensorflow as tf
 
 from owt_tf.data import DATASET_NAMES
 from owt_tf.config import AUGMENTATIONS
-from owt_tf.data.preprocess import (augment_train_batch, decode_train_crop,
+from owt_tf.data.preprocess import (TrainDraws, augment_train_batch, decode_train_crop,
                                      eval_pixels, eval_preprocess, normalize, train_draws)
 _SPLIT_SEED = 20140421  # fixed: the validation split never changes with --seed
 
@@ -237,21 +251,70 @@ class StreamDataset:
 
     def train(self, global_batch: int, seed: int, start: int = 0) -> tf.data.Dataset:
         """Endless augmented global batches of (images, labels, positions), from stream
-        position `start` on. Skipped examples are dropped before they are read or decoded;
-        images that fail to decode are dropped too (gaps in the positions). Each example
-        decodes only its crop window (JPEG) and is resized to the input size as uint8;
-        flip, lighting and normalisation run once per batch."""
+        position `start` on: `train_rows` with every row, the failure counts left out."""
+        rows = self.train_rows(global_batch, seed, start, (0, global_batch))
+        return rows.map(lambda images, labels, positions, failed: (images, labels, positions))
+
+    def train_rows(self, global_batch: int, seed: int, start: int = 0,
+                   rows: Optional[Tuple[int, int]] = None) -> tf.data.Dataset:
+        """Rows first ... first+count-1 (`rows`, default all) of each endless augmented
+        global batch as (images, labels, positions, failed), from stream position `start`
+        on. Only those rows' records are read and decoded (a record that does not decode is
+        replaced by the next one of its global batch that does: the module docstring);
+        `failed` counts the candidates that failed before each row's image (`global_batch`:
+        none of the global batch decoded, the row is zeros). Each example decodes only its
+        crop window (JPEG) and is resized to the input size as uint8; flip, lighting and
+        normalisation run once per batch."""
         if self.num_train < global_batch:
             raise DatasetError(f"{self.name}: {self.num_train} training images is fewer than "
                                f"one global batch of {global_batch}")
+        first, count = rows or (0, global_batch)
+        if first < 0 or count < 1 or first + count > global_batch:
+            raise DatasetError(f"rows {first}..{first + count - 1} are not rows of a global "
+                               f"batch of {global_batch}")
         self._check_readable()
         # Each example's augmentation is drawn from the seed and its stream position: repeatable.
         indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(start),
                                        self._train_records(seed, start), train_draws(seed, start)))
-        ds = indexed.map(self._train_crop, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        ds = ds.ignore_errors(log_warning=True).batch(global_batch, drop_remainder=True)
+        # Whole global batches of undecoded records: a row's substitutes come from its batch.
+        batches = indexed.batch(global_batch, drop_remainder=True)
+
+        def own_rows(positions, records, draws):
+            batch = tf.data.Dataset.from_tensors((positions, records, draws)).repeat(count)
+            return tf.data.Dataset.zip((tf.data.Dataset.range(first, first + count), batch))
+
+        def row_image(row, batch):
+            return self._row_image(row, *batch, global_batch=global_batch)
+
+        # One element per row, in row order (deterministic, block_length 1), decoded in parallel.
+        ds = batches.flat_map(own_rows).interleave(
+            row_image, cycle_length=tf.data.AUTOTUNE, block_length=1,
+            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        ds = ds.batch(count, drop_remainder=True)
         return ds.map(self._augment_batch, num_parallel_calls=tf.data.AUTOTUNE,
                       deterministic=True).prefetch(2)
+
+    def _row_image(self, row, positions, records, draws, global_batch: int) -> tf.data.Dataset:
+        """One row of a global batch, as a dataset of exactly one (crop, label, position,
+        flip, lighting, failed): the row's own record, else the next of the batch that
+        decodes (tried one at a time, lazily), else zeros with failed = global_batch."""
+        files, labels = records
+        position = positions[row]
+        own = TrainDraws(draws.corner[row], draws.flip[row], draws.lighting[row])
+
+        def candidate(tried):
+            i = (row + tried) % global_batch
+            crop, label, _, flip, lighting = self._train_crop(
+                position, (files[i], labels[i]), own)
+            return crop, label, position, flip, lighting, tried
+
+        def nothing_decodes(_):
+            crop = tf.zeros(self.image_shape, tf.float32 if self.augment == "none" else tf.uint8)
+            return (crop, tf.constant(0, tf.int32), position, own.flip, own.lighting,
+                    tf.constant(global_batch, tf.int64))
+
+        tries = tf.data.Dataset.range(global_batch).map(candidate).ignore_errors(log_warning=True)
+        return tries.concatenate(tf.data.Dataset.range(1).map(nothing_decodes)).take(1)
 
     def _train_crop(self, position, item, draws):
         """One record -> (uint8 crop of the input size, label, position, flip, lighting);
@@ -263,14 +326,16 @@ class StreamDataset:
         else:
             crop = decode_train_crop(self._encoded_image(record), self.image_shape[:2],
                                      self.image_shape[-1], draws.corner)
+        crop = tf.ensure_shape(crop, self.image_shape)
         return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
 
-    def _augment_batch(self, crops, labels, positions, flips, lighting):
+    def _augment_batch(self, crops, labels, positions, flips, lighting, failed):
         if self.augment == "none":
-            return normalize(crops, self.mean, self.std), labels, positions
+            return normalize(crops, self.mean, self.std), labels, positions, failed
         if self.augment == "crop":  # the same draws, the flip and lighting left out
             flips, lighting = tf.zeros_like(flips), tf.zeros_like(lighting)
-        return augment_train_batch(crops, flips, lighting, self.mean, self.std), labels, positions
+        images = augment_train_batch(crops, flips, lighting, self.mean, self.std)
+        return images, labels, positions, failed
 
     def _decode(self, record, label):
         """(record, label) -> (whole uint8 image [H, W, C], int32 label)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import keras
 import numpy as np
@@ -232,14 +232,25 @@ class HybridStrategy:
         """A dataset of global batches (tuples whose first dimension is B*K) as per-replica
         batches: replica k gets rows k*B ... (k+1)*B-1 (the run contract, docs/design.md). Each
         process keeps only its own replicas' rows, before anything else is done to them."""
-        b, d = self.plan.batch_size, len(self.local_devices)
-        first = self.worker_id * d * b
+        first, count = self.own_rows
 
         def own_rows(*batch):
-            return tuple(t[first:first + d * b] for t in batch)
+            return tuple(t[first:first + count] for t in batch)
 
+        return self.distribute_own_rows(dataset.map(own_rows))
+
+    @property
+    def own_rows(self) -> Tuple[int, int]:
+        """(first, count): the rows of each global batch this process's replicas take."""
+        b, d = self.plan.batch_size, len(self.local_devices)
+        return self.worker_id * d * b, d * b
+
+    def distribute_own_rows(self, dataset: tf.data.Dataset) -> tf.distribute.DistributedDataset:
+        """A dataset of this process's own rows of each global batch (`own_rows`, e.g. a
+        streamed dataset's `train_rows`) as per-replica batches: local replica i gets rows
+        i*B ... (i+1)*B-1 of them."""
         # Consecutive elements go to consecutive local replicas.
-        local = dataset.map(own_rows).rebatch(b, drop_remainder=True)
+        local = dataset.rebatch(self.plan.batch_size, drop_remainder=True)
         return self.strategy.distribute_datasets_from_function(lambda ctx: local)
 
     def distribute_global_batch(self, array) -> "tf.distribute.DistributedValues":

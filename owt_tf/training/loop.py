@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.config import ConfigError, RunConfig, lr_factor, new_run_dir
-from owt_tf.data.datasets import load_dataset
+from owt_tf.data.datasets import DatasetError, StreamDataset, load_dataset
 from owt_tf.data.stats import settle_normalisation
 from owt_tf.devices import DeviceError, setup_devices
 from owt_tf.models import build_model
@@ -162,9 +162,10 @@ class Trainer:
             self.data_position.assign(int(self.step) * config.global_batch_size)
         # The input order is fixed by the seed: continuing at the saved stream position
         # restores it (streamed datasets drop those examples before reading them).
-        train = self.dataset.train(config.global_batch_size, config.seed,
-                                   start=int(self.data_position))
-        self._train_batches = iter(self.hybrid.distribute_batches(train))
+        self._train_batches = iter(self._train_input(int(self.data_position)))
+        # Training images this process decoded (its own rows, and the candidates tried for
+        # unreadable ones) and the global batches' images, since this Trainer started.
+        self.decoded_images, self.batch_images = 0, 0
         self._stop: Optional[SignalStop] = None  # set while fit() runs
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
@@ -172,6 +173,18 @@ class Trainer:
         self._finite_names = self.hybrid.finite_check_names(self.model)
         self._snapshot = (StepSnapshot(self._state_variables(), strategy)
                           if config.skip_nonfinite else None)
+
+    def _train_input(self, start: int):
+        """This process's replicas' rows of the global batches from stream position `start`:
+        a streamed dataset reads and decodes only this process's rows; one in memory is
+        sliced."""
+        config = self.config
+        if isinstance(self.dataset, StreamDataset):
+            rows = self.dataset.train_rows(config.global_batch_size, config.seed, start,
+                                           rows=self.hybrid.own_rows)
+            return self.hybrid.distribute_own_rows(rows)
+        train = self.dataset.train(config.global_batch_size, config.seed, start=start)
+        return self.hybrid.distribute_batches(train)
 
     def _state_variables(self) -> List[tf.Variable]:
         """Every variable a step changes except the step counter: weights and optimizer state."""
@@ -196,12 +209,15 @@ class Trainer:
     def train_step(self, with_grads: bool = False) -> StepMetrics:
         """Runs one step on the next global batch (with whole-model gradients if asked)."""
         start = time.perf_counter()
-        images, labels, positions = next(self._train_batches)
+        batch = next(self._train_batches)
+        images, labels, positions = batch[:3]
+        unreadable = self._count_decodes(batch[3]) if len(batch) > 3 else 0
         if self._snapshot is not None:
             self._snapshot.take()
         out = self._train_fn(images, labels, with_grads)
-        finite, end, stop = self._agree(out["finite"].numpy(), self._stream_end(positions))
-        self._advance_data_position(end)
+        finite, end, stop, unreadable = self._agree(out["finite"].numpy(),
+                                                    self._stream_end(positions), unreadable)
+        self._advance_data_position(end, unreadable)
         nonfinite = first_nonfinite(finite, self._finite_names)
         if nonfinite is not None:
             if int(self.skipped_steps) >= self.config.skip_nonfinite:
@@ -216,30 +232,46 @@ class Trainer:
                            self.config.global_batch_size / seconds,
                            float(self.hybrid.ledger.total), grads, nonfinite, stop)
 
+    def _count_decodes(self, failed) -> int:
+        """Adds this process's rows' decodes to `decoded_images`; returns how many of its rows'
+        own images were unreadable. Stops before the step when a row has no image (no record
+        of the global batch decodes): every worker's rows see the same batch, so every
+        worker stops here, before any collective."""
+        failed = np.concatenate([np.asarray(f) for f in
+                                 self.hybrid.strategy.experimental_local_results(failed)])
+        batch = self.config.global_batch_size
+        if (failed >= batch).any():
+            raise DatasetError(f"step {int(self.step) + 1}: none of the {batch} training images "
+                               f"of the global batch could be decoded")
+        self.decoded_images += int(np.sum(failed + 1))
+        self.batch_images += batch
+        return int(np.count_nonzero(failed))
+
     def _stream_end(self, positions) -> int:
         """The stream position after this process's rows of the batch."""
         local = self.hybrid.strategy.experimental_local_results(positions)
         return max(int(np.max(p)) for p in local) + 1
 
-    def _agree(self, finite: np.ndarray, end: int) -> tuple:
-        """This step's finite flags, end of the input stream and stop request, agreed by every
-        worker of a cluster in one small all-reduce (they must take the same branch: undo,
-        stop, save); this process's own values otherwise."""
+    def _agree(self, finite: np.ndarray, end: int, unreadable: int) -> tuple:
+        """This step's finite flags, end of the input stream, stop request and unreadable
+        images of the global batch, agreed by every worker of a cluster in one small
+        all-reduce (they must take the same branch: undo, stop, save; and count the same);
+        this process's own values otherwise."""
         stop = self._stop is not None and self._stop.signum is not None
         if self.hybrid.num_workers == 1:
-            return finite, end, stop
+            return finite, end, stop, unreadable
         # Positions go in this worker's own slot, so the sum carries every worker's.
         mine = np.zeros(self.hybrid.num_workers, np.int64)
         mine[self.hybrid.worker_id] = end
-        local = np.concatenate([1 - np.asarray(finite, np.int64), [int(stop)], mine])
+        local = np.concatenate([1 - np.asarray(finite, np.int64), [int(stop), unreadable], mine])
         agreed = self.hybrid.sum_over_workers(local)
         n = len(finite)
-        return agreed[:n] == 0, int(np.max(agreed[n + 1:])), bool(agreed[n])
+        return agreed[:n] == 0, int(np.max(agreed[n + 2:])), bool(agreed[n]), int(agreed[n + 1])
 
-    def _advance_data_position(self, after: int) -> None:
-        """Moves the saved stream position past this batch; gaps were unreadable images."""
-        read = after - int(self.data_position)
-        self.skipped_images.assign_add(read - self.config.global_batch_size)
+    def _advance_data_position(self, after: int, unreadable: int) -> None:
+        """Moves the saved stream position past this batch (positions have no gaps: an
+        unreadable image's row is filled in place) and counts its unreadable images."""
+        self.skipped_images.assign_add(unreadable)
         self.data_position.assign(after)
 
     def evaluate(self) -> EvalMetrics:
@@ -334,6 +366,11 @@ class Trainer:
                 "non-finite steps")
         workers = (f" ({self.hybrid.num_workers} workers x {len(self.devices)})"
                    if self.hybrid.num_workers > 1 else "")
+        if workers and self.batch_images:
+            first_row, rows = self.hybrid.own_rows
+            log(f"input: this worker decoded {self.decoded_images} of the {self.batch_images} "
+                f"training images of its steps (rows {first_row}-{first_row + rows - 1} of each "
+                f"global batch of {config.global_batch_size})")
         ran = steps - first + 1
         done = (f"{steps} steps" if first == 1 else
                 f"steps {first}-{steps} ({ran} this run, {steps} in all)")
