@@ -34,6 +34,7 @@ LOSS_MODES = ("gathered", "sharded")
 # --precision: the compute dtype of the trunk and the FC shards, and of the activations and
 # their gradients between them. Weights, their gradients and optimizer state stay float32.
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one activation in each
 
 
 class PlanError(ValueError):

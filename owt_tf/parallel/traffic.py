@@ -16,11 +16,11 @@ from typing import Dict, List
 
 from owt_tf.models.cost import NetworkShape
 from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.plan import VALUE_BYTES
 from owt_tf.parallel.shards import COL, ROW, padded, split_plan
 
 F32 = 4
 I32 = 4
-VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # --precision: bytes of one activation
 
 
 _gather = coll.all_gather_cost

@@ -429,7 +429,8 @@ class Trainer:
             summaries.train(i, m.loss, m.top1_error, m.images_per_sec, m.bytes_per_step,
                             float(self.optimizer.trunk.learning_rate.numpy()),
                             float(self.optimizer.fc_learning_rate.numpy()))
-            summaries.counters(i, int(self.skipped_images), int(self.skipped_steps))
+            summaries.counters(i, int(self.skipped_images), int(self.skipped_steps),
+                               None if self.loss_scale is None else float(self.loss_scale.scale.numpy()))
         if histograms:
             summaries.histograms(i, "weights", self.model.named_weights().items())
             if m.grads is not None:
