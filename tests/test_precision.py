@@ -207,3 +207,20 @@ def test_a_float16_keras_model_is_refused_with_the_way_out(devices):
     with pytest.raises(UnsupportedModel, match="float16 needs a loss scale.*mixed_bfloat16"):
         with owt_tf.HybridStrategy(devices=devices[:2], scheme="owt-b").scope():
             owt_tf.parallelize(model)
+
+
+@pytest.mark.slow
+def test_bf16_trains_the_demo_to_the_fp32_error_within_a_point(devices, tmp_path):
+    """The demo run (alexnet_tiny on digits, K = 2, owt-b, 600 steps) in bf16 and in fp32:
+    validation top-1 errors within 1 percentage point."""
+    from owt_tf.config import RunConfig
+    from owt_tf.training.loop import Trainer
+
+    errors = {}
+    for precision in ("fp32", "bf16"):
+        config = RunConfig(precision=precision, logdir=str(tmp_path / precision),
+                           histogram_every=0)
+        summary = Trainer(config, devices=devices[:2]).fit(log=lambda line: None, progress=False)
+        errors[precision] = summary["val_top1_error"]
+    assert errors["fp32"] < 0.03
+    assert abs(errors["bf16"] - errors["fp32"]) <= 0.01, errors
