@@ -14,7 +14,7 @@ import sys
 from typing import List, Optional
 
 from owt_tf.config import (AUGMENTATIONS, DEVICE_TYPES, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, LR_SCALINGS,
-                           LR_SCHEDULES, PRESETS, SCHEMES, RunConfig)
+                           LR_SCHEDULES, PRECISIONS, PRESETS, SCHEMES, RunConfig)
 
 TRAIN_DESCRIPTION = """`python -m owt_tf.train`: train a CNN with the hybrid scheme. No flags: the demo run.
 
@@ -42,6 +42,9 @@ TRAIN_HELP = {
     "fc_batch": "global: FC updated once per step on B*K; worker: after every round on B (b, c)",
     "fc_exchange": "gather (paper: all-gather FC outputs) or colrow (Megatron column/row pairs)",
     "loss": "gathered (all-gather logits) or sharded (class-sharded softmax cross-entropy)",
+    "precision": "compute dtype of the trunk and the FC shards, and of the activations they "
+                 "exchange: fp32, bf16 or fp16 (float32 weights, optimizer state and loss; fp16 "
+                 "with a dynamic loss scale)",
     "steps": "optimizer steps to train (in all, counting those of a resumed run)",
     "epochs": "passes over the training split; when given, overrides --steps",
     "lr_schedule": "constant, step (rates / 10 at --lr-decay-epochs, AlexNet) or cosine",
@@ -76,7 +79,7 @@ TRAIN_HELP = {
     "verbose": "show TensorFlow's C++ start-up log lines (hidden by default)",
 }
 TRAIN_CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
-           "loss": LOSS_MODES, "lr_scaling": LR_SCALINGS,
+           "loss": LOSS_MODES, "lr_scaling": LR_SCALINGS, "precision": tuple(PRECISIONS),
            "augment": AUGMENTATIONS, "device_type": DEVICE_TYPES}
 
 

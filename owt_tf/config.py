@@ -12,8 +12,8 @@ import os
 import time
 from typing import Optional
 
-from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, SCHEMES,
-                                  ParallelPlan, PlanError)
+from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS,
+                                  SCHEMES, ParallelPlan, PlanError)
 
 LR_SCALINGS = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "step", "cosine")
@@ -26,7 +26,8 @@ DEVICE_TYPES = ("auto", "gpu", "cpu")
 
 
 _PLAN_FLAGS = {"scheme": "--scheme", "fc_batch": "--fc-batch", "fc_exchange": "--fc-exchange",
-               "loss": "--loss", "jit": "--jit", "devices": "--devices",
+               "loss": "--loss", "jit": "--jit", "precision": "--precision",
+               "devices": "--devices",
                "batch_size": "--batch-size"}
 
 
@@ -66,6 +67,7 @@ class RunConfig:
     fc_batch: str = "global"
     fc_exchange: str = "gather"
     loss: str = "gathered"
+    precision: str = "fp32"  # fp32 | bf16 | fp16 compute, float32 weights (parallel.precision)
     steps: int = 600
     epochs: Optional[float] = None  # when set, overrides steps
     # The rate for a batch of lr_batch examples. Each layer kind's rate follows the batch it
@@ -141,7 +143,8 @@ class RunConfig:
     def parallel_plan(self) -> ParallelPlan:
         """The run's ParallelPlan (its rules are checked here and by the strategy)."""
         with _as_flag_error():
-            return ParallelPlan(self.scheme, self.fc_batch, self.fc_exchange, self.loss, self.jit)
+            return ParallelPlan(self.scheme, self.fc_batch, self.fc_exchange, self.loss, self.jit,
+                                self.precision)
 
     def validate(self) -> "RunConfig":
         """Raises ConfigError for the first invalid field; returns self when all is well."""
@@ -163,6 +166,10 @@ class RunConfig:
                 check_user_model_name(self.model)
             except UserModelError as err:
                 raise ConfigError("--model", str(err)) from None
+            if self.precision != "fp32":
+                raise ConfigError("--precision", "a user's model computes in its own Keras dtype "
+                                  "policy; build it under keras.config.set_dtype_policy("
+                                  "'mixed_bfloat16') instead")
         else:
             _choice("--model", self.model, MODEL_NAMES + ("PATH.keras", "module:function"))
         if self.dataset.startswith("tfds:"):

@@ -50,10 +50,14 @@ def random_batches(steps: int, global_batch: int, classes: int, seed: int = 0):
 def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: str = "global",
                            fc_exchange: str = "gather", loss: str = "gathered",
                            steps: int = 3, classes: int = 10, jit: bool = False,
-                           model: str = "alexnet_tiny") -> Dict[str, float]:
-    """Worst relative error of loss, gradients and weights over `steps` steps, and the ledger."""
-    spec = he_scaled(build_model(model, num_classes=classes, dropout=0.0), seed=7)
-    hybrid = HybridStrategy(devices[:k], scheme, batch, fc_batch, fc_exchange, loss, jit=jit)
+                           model: str = "alexnet_tiny", precision: str = "fp32",
+                           he: bool = True) -> Dict[str, float]:
+    """Worst relative error of loss, gradients and weights over `steps` steps, and the ledger.
+    `he`: start from he_scaled weights (else the library's own draws)."""
+    spec = build_model(model, num_classes=classes, dropout=0.0)
+    spec = he_scaled(spec, seed=7) if he else spec
+    hybrid = HybridStrategy(devices[:k], scheme, batch, fc_batch, fc_exchange, loss, jit=jit,
+                            precision=precision)
     model = hybrid.build_model(spec, seed=7)
     optim = build_optimizer(hybrid, model, CONV_LR, FC_LR, MOMENTUM, WD)
     ref = ReferenceModel(spec, seed=7)
@@ -85,4 +89,4 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
     for (gk, gb), (wk, wb) in zip(got_w["head"], want_w["head"]):
         worst["weights"] = max(worst["weights"], rel_err(gk, wk), rel_err(gb, wb))
     return {"worst": worst, "ledger": hybrid.ledger, "trunk_params": model.trunk.count_params(),
-            "features": spec.trunk_output_dim(model.trunk), "spec": spec}
+            "features": spec.trunk_output_dim(model.trunk), "spec": spec, "rounds": rounds}

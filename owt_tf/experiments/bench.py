@@ -25,7 +25,7 @@ import time
 from typing import Dict, List, Optional
 
 from owt_tf.cli import OneLineParser
-from owt_tf.config import SCHEMES, ConfigError
+from owt_tf.config import PRECISIONS, SCHEMES, ConfigError
 
 
 @dataclasses.dataclass
@@ -39,6 +39,7 @@ class BenchRecord:
     fc_exchange: str
     loss: str
     jit: bool
+    precision: str
     images_per_sec: Optional[float]
     step_time_s: Optional[float]
     bytes_per_step: float  # sent by one worker per step (it receives as many)
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as train's --loss")
     p.add_argument("--jit", default="off", choices=("off", "on", "both"),
                    help="XLA-compile the trunk: off, on, or both side by side")
+    p.add_argument("--precision", default="fp32",
+                   help="comma-separated compute precisions to run each configuration in: fp32, "
+                        "bf16, fp16 (e.g. fp32,bf16)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
     p.add_argument("--count-only", action="store_true", help="trace only: report bytes, no timing")
@@ -90,6 +94,10 @@ def _check(args) -> None:
             raise ConfigError("--schemes", f"unknown scheme {s!r}; allowed: {', '.join(SCHEMES)}")
     if not args.devices or min(args.devices) < 1:
         raise ConfigError("--devices", "K values must be integers >= 1")
+    for precision in args.precision:
+        if precision not in PRECISIONS:
+            raise ConfigError("--precision", f"unknown precision {precision!r}; allowed: "
+                              f"{', '.join(PRECISIONS)}")
     if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
         raise ConfigError("--batch-size", "batch size and step counts must be positive")
 
@@ -97,7 +105,7 @@ def _check(args) -> None:
 class _Config:
     """One configuration under test: its strategy, model, optimizer, batch and step."""
 
-    def __init__(self, args, devices, scheme: str, k: int, jit: bool):
+    def __init__(self, args, devices, scheme: str, k: int, jit: bool, precision: str):
         import numpy as np
         import tensorflow as tf
 
@@ -105,7 +113,7 @@ class _Config:
         from owt_tf.parallel.strategy import HybridStrategy
         from owt_tf.training.optim import build_optimizer
 
-        self.scheme, self.k, self.jit = scheme, k, jit
+        self.scheme, self.k, self.jit, self.precision = scheme, k, jit, precision
         self.global_batch = args.batch_size * k
         run_k = 1 if scheme == "single" else k
         self.batch = self.global_batch // run_k
@@ -114,7 +122,7 @@ class _Config:
         self.fc_batch = fc_batch
         self.hybrid = HybridStrategy(devices[:run_k], scheme, self.batch, fc_batch,
                                      args.fc_exchange if scheme != "data" else "gather",
-                                     args.loss, jit=jit)
+                                     args.loss, jit=jit, precision=precision)
         self.model = self.hybrid.build_model(spec, seed=0)
         self.optim = build_optimizer(self.hybrid, self.model, 0.001, 0.001, 0.9, 5e-4)
         rng = np.random.default_rng(0)
@@ -125,10 +133,13 @@ class _Config:
         self.inputs = [self.hybrid.distribute_global_batch(images),
                        self.hybrid.distribute_global_batch(labels)]
         seed = tf.constant([0, 1], tf.int32)
+        # fp16 steps are taken at a loss scale, as in training (its overflow checks are the
+        # training loop's, between steps, and not timed here)
+        scale = tf.constant(2.0 ** 15) if precision == "fp16" else None
 
         @tf.function
         def step(x, y):
-            return self.hybrid.train_step(self.model, self.optim, x, y, seed)
+            return self.hybrid.train_step(self.model, self.optim, x, y, seed, loss_scale=scale)
 
         self.step = step
 
@@ -179,13 +190,13 @@ def run_bench(args) -> List[BenchRecord]:
                 print(f"skip owt-c at K={k}: batch size {args.batch_size} not divisible by {k}",
                       file=sys.stderr)
                 continue
-            for jit in jits:
+            for jit, precision in [(j, p) for j in jits for p in args.precision]:
                 on_gpu = "GPU" in devices[0]
                 before = _proc_status_bytes("VmRSS")
                 _rss_peak_reset()
                 for d in devices if on_gpu else []:
                     tf.config.experimental.reset_memory_stats(d)
-                cfg = _Config(args, devices, scheme, k, jit)
+                cfg = _Config(args, devices, scheme, k, jit, precision)
                 if args.count_only:
                     cfg.trace()
                 else:
@@ -198,7 +209,8 @@ def run_bench(args) -> List[BenchRecord]:
                     peak = _proc_status_bytes("VmHWM")
                     memory[id(cfg)] = (peak - before) if peak and before else None
                 configs.append(cfg)
-                print(f"ready: {scheme} K={k} jit={'on' if jit else 'off'}", file=sys.stderr)
+                print(f"ready: {scheme} K={k} jit={'on' if jit else 'off'} {precision}",
+                      file=sys.stderr)
     times: Dict[int, List[float]] = {id(c): [] for c in configs}
     if not args.count_only:
         for _ in range(args.steps):
@@ -212,6 +224,7 @@ def run_bench(args) -> List[BenchRecord]:
             model=args.model, scheme=cfg.scheme, devices=cfg.k if cfg.scheme != "single" else 1,
             batch_size=cfg.batch, global_batch=cfg.global_batch, fc_batch=cfg.fc_batch,
             fc_exchange=cfg.hybrid.fc_exchange, loss=cfg.hybrid.loss, jit=cfg.jit,
+            precision=cfg.precision,
             images_per_sec=(cfg.global_batch / t) if t else None, step_time_s=t,
             bytes_per_step=float(ledger.total), bytes_by_purpose=ledger.summary(),
             peak_memory_bytes=memory[id(cfg)]))
@@ -219,7 +232,7 @@ def run_bench(args) -> List[BenchRecord]:
 
 
 def format_table(records: List[BenchRecord]) -> str:
-    head = (f"{'scheme':8} {'K':>2} {'B':>4} {'glob':>5} {'fc':6} {'jit':3} {'step ms':>9} "
+    head = (f"{'scheme':8} {'K':>2} {'B':>4} {'glob':>5} {'fc':6} {'jit':3} {'prec':4} {'step ms':>9} "
             f"{'img/s':>8} {'MB/step':>9} {'peak MB':>8}")
     lines = [head, "-" * len(head)]
     for r in records:
@@ -227,7 +240,7 @@ def format_table(records: List[BenchRecord]) -> str:
         ips = f"{r.images_per_sec:8.0f}" if r.images_per_sec else f"{'-':>8}"
         mem = f"{r.peak_memory_bytes / 1e6:8.0f}" if r.peak_memory_bytes else f"{'-':>8}"
         lines.append(f"{r.scheme:8} {r.devices:>2} {r.batch_size:>4} {r.global_batch:>5} "
-                     f"{r.fc_batch:6} {'on' if r.jit else 'off':3} {step} {ips} "
+                     f"{r.fc_batch:6} {'on' if r.jit else 'off':3} {r.precision:4} {step} {ips} "
                      f"{r.bytes_per_step / 1e6:9.3f} {mem}")
     return "\n".join(lines)
 
@@ -311,6 +324,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args.devices = _parse_list(args.devices, int)
         args.schemes = _parse_list(args.schemes)
+        args.precision = _parse_list(args.precision)
         _check(args)
     except (ConfigError, ValueError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)

@@ -18,9 +18,12 @@ class CrossMapNorm(keras.layers.Layer):
         self.size, self.k, self.alpha, self.beta = size, k, alpha, beta
 
     def call(self, x):
-        return tf.nn.local_response_normalization(
-            x, depth_radius=self.size // 2, bias=self.k, alpha=self.alpha, beta=self.beta
-        )
+        # In float32 whatever the compute dtype: TF's LRN kernels are float32 only on GPU and
+        # float32/float16 on CPU (no bfloat16).
+        y = tf.nn.local_response_normalization(
+            tf.cast(x, tf.float32), depth_radius=self.size // 2, bias=self.k, alpha=self.alpha,
+            beta=self.beta)
+        return tf.cast(y, x.dtype)
 
     def get_config(self):
         return {**super().get_config(), "size": self.size, "k": self.k,

@@ -74,6 +74,9 @@ class ModelSpec:
     # A user's model keeps its own weights: () -> (trunk weights, [(kernel, bias), ...]).
     # None: drawn from the seed (initial_trunk_weights / initial_head_weights).
     initial_weights: Optional[Callable[[], Tuple[list, list]]] = None
+    # The head's compute dtype where the model fixes it (a user's Keras model, by its Dense
+    # layers' dtype policy); None: the run's --precision.
+    compute_dtype: Optional[str] = None
 
     def initial_weights_for(self, trunk: "keras.Model", seed: int):
         """(trunk weights, whole FC layers) to start from: the model's own, or drawn."""

@@ -35,6 +35,9 @@ class KerasSplit:
     head_weights: List[Tuple[np.ndarray, np.ndarray]]
     dense_names: List[str]
     input_shape: Tuple[int, ...]
+    # The head's compute dtype: its first Dense layer's (Keras' mixed-precision policy). The
+    # loss and the outputs are float32 whatever it is.
+    compute_dtype: str = "float32"
 
 
 _HEAD_TYPES = (keras.layers.Dense, keras.layers.Dropout, keras.layers.Activation,
@@ -99,8 +102,9 @@ def _check_dense(layer, last: bool) -> None:
             reasons.append(f"{attr} is not honoured by the sharded head")
     if getattr(layer, "lora_rank", None):
         reasons.append("LoRA is not supported")
-    if layer.dtype_policy.name != "float32":
-        reasons.append(f"dtype policy {layer.dtype_policy.name} is not supported (float32 only)")
+    if layer.dtype_policy.variable_dtype != "float32":
+        reasons.append(f"dtype policy {layer.dtype_policy.name} is not supported (float32 "
+                       "weights only: float32, mixed_bfloat16 or mixed_float16)")
     act = _activation_name(layer)
     allowed = ("linear", "softmax") if last else ("relu", "linear")
     if act not in allowed:
@@ -182,6 +186,16 @@ def _check_chain_is_private(model: keras.Model, chain: List, features) -> None:
                                    "(a skip connection into the head is not supported)")
 
 
+def _check_no_float16(model: keras.Model) -> None:
+    """float16 compute needs a loss scale, which only the CLI's --precision fp16 applies."""
+    for layer in model.layers:
+        if layer.dtype_policy.compute_dtype == "float16":
+            raise UnsupportedModel(
+                f"layer {layer.name}: dtype policy {layer.dtype_policy.name} is not supported "
+                "(float16 needs a loss scale, which owt_tf applies only to a registry model "
+                "trained with --precision fp16); use mixed_bfloat16")
+
+
 def split_keras_model(model: keras.Model) -> KerasSplit:
     """The trunk (a functional model over the original layers) and the head of `model`."""
     if not isinstance(model, keras.Model):
@@ -209,8 +223,10 @@ def split_keras_model(model: keras.Model) -> KerasSplit:
                                "the first Dense of the head needs a rank-2 input (put Flatten "
                                "or GlobalAveragePooling2D before it)")
     _check_chain_is_private(model, chain, features)
+    _check_no_float16(model)
     spec, names = _head_spec(chain)
     dense = [layer for layer in chain if isinstance(layer, keras.layers.Dense)]
     weights = [(np.asarray(d.kernel.numpy()), np.asarray(d.bias.numpy())) for d in dense]
     trunk = keras.Model(inputs[0], features, name=f"{model.name}_trunk")
-    return KerasSplit(trunk, spec, weights, names, tuple(inputs[0].shape[1:]))
+    return KerasSplit(trunk, spec, weights, names, tuple(inputs[0].shape[1:]),
+                      dense[0].dtype_policy.compute_dtype)

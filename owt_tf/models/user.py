@@ -79,4 +79,5 @@ def user_model_spec(name: str, num_classes: Optional[int] = None,
     label = os.path.basename(name) if name.endswith(".keras") else name
     return ModelSpec(name=label, input_shape=tuple(int(d) for d in split.input_shape),
                      build_trunk=build_trunk, head=split.head,
-                     initial_weights=lambda: (trunk_weights, head_weights))
+                     initial_weights=lambda: (trunk_weights, head_weights),
+                     compute_dtype=split.compute_dtype)

@@ -225,8 +225,8 @@ def _all_gather_counted(x: tf.Tensor, axis: int, purpose: str, riders: int = 0) 
     rank = len(x.shape)
     to_front = [axis] + [i for i in range(rank) if i != axis]
     launcher = _launcher()
-    gathered = launcher._all_gather(  # pylint: disable=protected-access
-        tf.transpose(x, to_front) if axis else x, None)
+    gathered = _carried_as_float16(x, lambda v: launcher._all_gather(  # pylint: disable=protected-access
+        tf.transpose(v, to_front) if axis else v, None))
     if axis:
         gathered = tf.transpose(gathered, [to_front.index(i) for i in range(rank)])
     shape = x.shape.as_list()
@@ -499,15 +499,26 @@ def _broadcast_counted(x: tf.Tensor, source: int, purpose: str, riders: int = 0)
                 communication_hint=launcher._options.implementation.value)  # pylint: disable=protected-access
     with tf.device(launcher._device):  # pylint: disable=protected-access
         if replica_id() == source:
-            return collective_ops.broadcast_send_v2(x, **keys)
+            return _carried_as_float16(x, lambda v: collective_ops.broadcast_send_v2(v, **keys))
         # A receive needs only x's static shape, so nothing would hold it back: when the
         # step's input fails (Keras' last call of an epoch ends in get_next's OutOfRange),
         # it would already be waiting for a send that never comes, and the failed step
         # waits for it forever. It waits for this replica's own x instead.
         with tf.control_dependencies([x]):
-            received = collective_ops.broadcast_recv_v2(tf.shape(x), x.dtype, **keys)
+            received = _carried_as_float16(x, lambda v: collective_ops.broadcast_recv_v2(
+                tf.shape(v), v.dtype, **keys))
     received.set_shape(x.shape)
     return received
+
+
+def _carried_as_float16(x: tf.Tensor, move) -> tf.Tensor:
+    """move(x), a collective that only moves x's bytes; a bfloat16 x travels bit-cast to
+    float16 and comes back bfloat16: CollectiveGatherV2 and CollectiveBcastSend/RecvV2 accept
+    no bfloat16 (their kernels are registered for float16 and not for bfloat16), while
+    CollectiveReduceV2 and CollectiveAllToAllV2 do. Exact: no arithmetic touches the bits."""
+    if x.dtype != tf.bfloat16:
+        return move(x)
+    return tf.bitcast(move(tf.bitcast(x, tf.float16)), tf.bfloat16)
 
 
 def gather_labels(y: tf.Tensor) -> tf.Tensor:

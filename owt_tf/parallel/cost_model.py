@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from owt_tf.models.cost import NetworkCost, network_cost
-from owt_tf.parallel.plan import FC_EXCHANGES, LOSS_MODES
+from owt_tf.parallel.plan import FC_EXCHANGES, LOSS_MODES, VALUE_BYTES
 
 # owt_tf.parallel's collectives (and with them TensorFlow) are imported inside the functions
 # that price, so that `python -m owt_tf.plan` rejects bad flags before TensorFlow loads.
@@ -59,6 +59,12 @@ class Hardware:
     shared_link: bool  # all workers' traffic crosses one link (PCIe tree via the host)
     shared_compute: bool = False  # devices share the same cores (logical CPU devices)
     source: str = ""
+    # bf16/fp16 FLOP/s of one device (tensor cores, AVX512-BF16); None: no faster than fp32
+    low_precision_flops: Optional[float] = None
+
+    def compute_flops(self, precision: str = "fp32") -> float:
+        """Sustained FLOP/s of one device in `precision` (--precision)."""
+        return self.flops if precision == "fp32" else (self.low_precision_flops or self.flops)
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,7 +97,9 @@ def preset(name: str, devices: int = 8) -> Hardware:
         return Hardware(
             name, flops=67e12 * _gpu_utilization(), memory_bandwidth=memory,
             link_bandwidth=450e9, latency=5e-6, shared_link=False,
-            source=f"{name.split('-')[0].upper()} SXM datasheet: 67 TFLOP/s fp32 (no tensor cores) at "
+            low_precision_flops=989e12 * _gpu_utilization(),
+            source=f"{name.split('-')[0].upper()} SXM datasheet: 67 TFLOP/s fp32 (no tensor cores), "
+                   "989 TFLOP/s dense bf16/fp16 (tensor cores), both at "
                    f"the K20 run's utilization, {memory / 1e12:.2f} TB/s HBM, NVLink 4 900 GB/s "
                    "both ways through NVSwitch; ~5 us per collective (NCCL small-message latency)")
     if name == "cpu":
@@ -114,6 +122,8 @@ def measure_cpu(devices: int) -> Hardware:
     names = logical_cpu_devices(max(devices, 2))
     a = tf.random.normal([1024, 1024])
     flops = 2 * 1024 ** 3 / _best_seconds(lambda: tf.matmul(a, a).numpy())
+    half = tf.cast(a, tf.bfloat16)
+    bf16_flops = 2 * 1024 ** 3 / _best_seconds(lambda: tf.matmul(half, half).numpy())
     big = tf.random.normal([16 * 1024 * 1024])
     memory = 2 * 4 * big.shape[0] / _best_seconds(lambda: (big + 1.0).numpy())
     strategy = make_strategy(names[:max(devices, 2)])
@@ -133,8 +143,9 @@ def measure_cpu(devices: int) -> Hardware:
     bandwidth = float(coll.all_reduce_cost(n * F32, k)) * k / max(all_reduce_seconds(n) - latency, 1e-9)
     return Hardware("cpu", flops=flops, memory_bandwidth=memory, link_bandwidth=bandwidth,
                     latency=latency, shared_link=True, shared_compute=True,
-                    source=f"measured on this machine: 1024^2 matmul, 64 MB add, all-reduce of 4 B "
-                           f"and 16 MB over {k} logical CPU devices")
+                    low_precision_flops=bf16_flops,
+                    source=f"measured on this machine: 1024^2 matmul (fp32 and bf16), 64 MB add, "
+                           f"all-reduce of 4 B and 16 MB over {k} logical CPU devices")
 
 
 def _best_seconds(fn, repeats: int = 5) -> float:
@@ -180,8 +191,8 @@ class Prediction:
         return flags
 
 
-def _memory_seconds(net: NetworkCost, examples: int, bandwidth: float) -> float:
-    return ELEMENTWISE_PASSES * F32 * net.elementwise_floats * examples / bandwidth
+def _memory_seconds(net: NetworkCost, examples: int, bandwidth: float, value_bytes: int = F32) -> float:
+    return ELEMENTWISE_PASSES * value_bytes * net.elementwise_floats * examples / bandwidth
 
 
 def _update_seconds(params: float, bandwidth: float) -> float:
@@ -193,8 +204,10 @@ def _link_seconds(nbytes: float, calls: int, k: int, hw: Hardware) -> float:
     return float(nbytes) * crossing / hw.link_bandwidth + calls * hw.latency
 
 
-def _single_seconds(net: NetworkCost, examples: int, hw: Hardware) -> float:
-    return (examples * net.train_flops / hw.flops + _memory_seconds(net, examples, hw.memory_bandwidth)
+def _single_seconds(net: NetworkCost, examples: int, hw: Hardware, precision: str = "fp32") -> float:
+    value_bytes = VALUE_BYTES[precision]
+    return (examples * net.train_flops / hw.compute_flops(precision)
+            + _memory_seconds(net, examples, hw.memory_bandwidth, value_bytes)
             + _update_seconds(net.params, hw.memory_bandwidth))
 
 
@@ -205,20 +218,25 @@ def _result(scheme, k, b, fc_batch, fc_exchange, loss, compute, comm, hidden, nb
 
 
 def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int,
-            fc_batch: str = "worker", fc_exchange: str = "gather", loss: str = "gathered") -> Prediction:
-    """Step time of one owt_tf scheme (or `single`: one device, global batch) at K devices."""
+            fc_batch: str = "worker", fc_exchange: str = "gather", loss: str = "gathered",
+            precision: str = "fp32") -> Prediction:
+    """Step time of one owt_tf scheme (or `single`: one device, global batch) at K devices.
+    `precision` (--precision): the compute rate, the bytes of element-wise passes and of
+    every activation exchanged (weights and their updates stay float32)."""
     from owt_tf.parallel import collectives as coll, traffic
 
     b = batch_size
-    baseline = _single_seconds(net, k * b, hw)
+    flops, value_bytes = hw.compute_flops(precision), VALUE_BYTES[precision]
+    baseline = _single_seconds(net, k * b, hw, precision)
     if scheme == "single" or k == 1:
         return _result("single", k, b, k * b, fc_exchange, loss, baseline, 0.0, 0.0, 0, baseline)
     share = k if hw.shared_compute else 1  # logical devices queue for the same cores
     mem = hw.memory_bandwidth / share
-    conv = b * net.conv_train_flops / hw.flops * share + _memory_seconds(net, b, mem)
-    fc = b * net.fc_train_flops / hw.flops * share  # 1/K of the FC layers on K*B rows, or all on B
+    conv = b * net.conv_train_flops / flops * share + _memory_seconds(net, b, mem, value_bytes)
+    fc = b * net.fc_train_flops / flops * share  # 1/K of the FC layers on K*B rows, or all on B
     trunk_update = _update_seconds(net.shape.trunk_params, mem)
-    transfers = traffic.step_transfers(net.shape, scheme, k, b, fc_exchange, loss, fc_batch)
+    transfers = traffic.step_transfers(net.shape, scheme, k, b, fc_exchange, loss, fc_batch,
+                                       precision)
     nbytes = sum(t.nbytes for t in transfers)
     seconds = {t.purpose: _link_seconds(t.nbytes, t.calls, k, hw) for t in transfers}
     comm = sum(seconds.values())

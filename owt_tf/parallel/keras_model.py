@@ -217,7 +217,7 @@ class ParallelModel(keras.Model):
         trunk = keras.models.clone_model(split.trunk)  # in the scope: mirrored variables
         trunk.set_weights(split.trunk.get_weights())
         self.trunk = trunk
-        self.head = hybrid.place_head(split.head, split.head_weights)
+        self.head = hybrid.place_head(split.head, split.head_weights, split.compute_dtype)
         self._fc_optimizer: Optional[_ShardOptimizers] = None
         self._pending_fc_slots: Optional[Dict[str, np.ndarray]] = None
         self.built = True

@@ -31,6 +31,10 @@ SCHEMES = tuple(s.value for s in Scheme)
 FC_BATCH_MODES = ("global", "worker")
 FC_EXCHANGES = ("gather", "colrow")
 LOSS_MODES = ("gathered", "sharded")
+# --precision: the compute dtype of the trunk and the FC shards, and of the activations and
+# their gradients between them. Weights, their gradients and optimizer state stay float32.
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one activation in each
 
 
 class PlanError(ValueError):
@@ -49,14 +53,16 @@ def _choice(field: str, value, choices: Sequence[str]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelPlan:
-    """What is split and how it moves. `fc_batch='worker'` updates the FC layers after every
-    round on one worker's rows (the paper's (128K, 128) recipe); 'global' once per step."""
+    """What is split, how it moves and in which precision. `fc_batch='worker'` updates the FC
+    layers after every round on one worker's rows (the paper's (128K, 128) recipe); 'global'
+    once per step."""
 
     scheme: Scheme = Scheme.OWT_B
     fc_batch: str = "global"
     fc_exchange: str = "gather"
     loss: str = "gathered"
     jit: bool = False
+    precision: str = "fp32"
 
     def __post_init__(self):
         _choice("scheme", str(getattr(self.scheme, "value", self.scheme)), SCHEMES)
@@ -64,6 +70,7 @@ class ParallelPlan:
         _choice("fc_batch", self.fc_batch, FC_BATCH_MODES)
         _choice("fc_exchange", self.fc_exchange, FC_EXCHANGES)
         _choice("loss", self.loss, LOSS_MODES)
+        _choice("precision", self.precision, tuple(PRECISIONS))
         if self.fc_batch == "worker" and self.scheme not in (Scheme.OWT_B, Scheme.OWT_C,
                                                              Scheme.SINGLE):
             raise PlanError("fc_batch", "'worker' needs scheme owt-b or owt-c (rounds of one "
@@ -72,6 +79,11 @@ class ParallelPlan:
     @property
     def model_parallel(self) -> bool:
         return self.scheme != Scheme.DATA
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype layers compute in and activations travel in: float32, bfloat16, float16."""
+        return PRECISIONS[self.precision]
 
     def check_devices(self, num_replicas: int) -> "ParallelPlan":
         if num_replicas < 1:

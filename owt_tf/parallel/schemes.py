@@ -97,11 +97,18 @@ def exchange_rounds(plan: SchemePlan, a_local: tf.Tensor, y_local: tf.Tensor,
     return inputs, round_labels, lambda grads: tape.gradient(inputs, a_local, output_gradients=grads)
 
 
+def unscaled(grads: List[tf.Tensor], loss_scale: Optional[tf.Tensor]) -> List[tf.Tensor]:
+    """Gradients of (loss x loss_scale) as gradients of the loss."""
+    if loss_scale is None:
+        return grads
+    return [g / tf.cast(loss_scale, g.dtype) for g in grads]
+
+
 @dataclasses.dataclass
 class RoundsResult:
     """What the FC rounds of one step leave for the trunk and the metrics."""
 
-    activation_grad: tf.Tensor  # d loss / d a_local, for the trunk's backward
+    activation_grad: tf.Tensor  # d (loss x loss_scale) / d a_local, for the trunk's backward
     fc_grads: List[List[tf.Tensor]]  # per applied FC update: grads of this shard's variables
     loss_sum: tf.Tensor  # sum of per-example losses over the rows this replica reports
     correct: tf.Tensor  # number of those rows classified right
@@ -126,12 +133,14 @@ class _Forward:
 
 def _forward(plan: SchemePlan, head: ShardedHead, rounds: Sequence[int], inputs: List[tf.Tensor],
              labels: List[tf.Tensor], shard: int, training: bool, seed: Optional[tf.Tensor],
-             defer: bool) -> _Forward:
+             defer: bool, loss_scale: Optional[tf.Tensor]) -> _Forward:
     seeds = [None if seed is None else tf.random.experimental.stateless_fold_in(seed, r) for r in rounds]
     # Model parallel: each of the K replicas holds a copy of the same loss, and the
     # exchange's gradient sums the copies. Data parallel: own rows / (B*K), and the
     # gradient all-reduce sums the K parts. Either way each replica weighs its loss by 1/K.
     loss_weight = 1.0 / plan.num_replicas
+    if loss_scale is not None:  # fp16: gradients scaled up out of float16's underflow
+        loss_weight = loss_weight * loss_scale
     with tf.GradientTape(persistent=defer) as tape:
         for x in inputs:
             tape.watch(x)
@@ -169,8 +178,13 @@ def _deferred_backward(fwd: _Forward, shard_vars: List[tf.Variable]) -> List[tf.
 
 def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
                   shard: int, training: bool, seed: Optional[tf.Tensor],
-                  apply_fc_update: FcUpdate) -> RoundsResult:
+                  apply_fc_update: FcUpdate,
+                  loss_scale: Optional[tf.Tensor] = None) -> RoundsResult:
     """Runs the FC layers over the step's rounds; returns the activation gradient.
+
+    With a `loss_scale` (fp16) every gradient is taken of the loss times it: the activation
+    gradient comes back scaled (the trunk's are unscaled after its backward), the FC
+    gradients are unscaled before they are applied.
 
     `apply_fc_update(grads)` is called with this shard's FC gradients once per FC update:
     after every round when fc_batch='worker', else once with the average over rounds.
@@ -187,18 +201,21 @@ def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_loc
         forwards, applied = [], []
         input_grads = []
         for r in range(plan.num_rounds):
-            fwd = _forward(plan, head, [r], [inputs[r]], [labels[r]], shard, training, seed, False)
+            fwd = _forward(plan, head, [r], [inputs[r]], [labels[r]], shard, training, seed, False,
+                           loss_scale)
             grads = fwd.tape.gradient(fwd.losses[0], [inputs[r]] + shard_vars)
-            apply_fc_update(grads[1:])
-            applied.append(grads[1:])
+            update = unscaled(grads[1:], loss_scale)
+            apply_fc_update(update)
+            applied.append(update)
             input_grads.append(grads[0] / plan.num_rounds)
             forwards.append(fwd)
         terms = [t for fwd in forwards for t in fwd.terms]
     else:
-        fwd = _forward(plan, head, range(plan.num_rounds), inputs, labels, shard, training, seed, True)
+        fwd = _forward(plan, head, range(plan.num_rounds), inputs, labels, shard, training, seed, True,
+                       loss_scale)
         grads = _deferred_backward(fwd, shard_vars)
         input_grads = [g / plan.num_rounds for g in grads[:plan.num_rounds]]
-        averaged = [g / plan.num_rounds for g in grads[plan.num_rounds:]]
+        averaged = unscaled([g / plan.num_rounds for g in grads[plan.num_rounds:]], loss_scale)
         apply_fc_update(averaged)
         applied = [averaged]
         terms = fwd.terms

@@ -96,13 +96,16 @@ class ShardedDense(tf.Module):
         return kernel[:, :self.out_dim], bias[:self.out_dim]
 
     def forward_shard(self, x: tf.Tensor, k: int) -> tf.Tensor:
-        """x @ kernel_k + bias_k. For ROW, x is this shard's input slice and the bias slice
-        lands on its own columns, so the all-reduce that follows adds every bias once."""
-        y = tf.matmul(x, self.kernels[k])
+        """x @ kernel_k + bias_k in x's dtype (float32 weights are cast, as Keras' mixed
+        precision does: their gradients stay float32). For ROW, x is this shard's input slice
+        and the bias slice lands on its own columns, so the all-reduce that follows adds
+        every bias once."""
+        kernel, bias = (tf.cast(v, x.dtype) for v in (self.kernels[k], self.biases[k]))
+        y = tf.matmul(x, kernel)
         if self.split == COL:
-            return y + self.biases[k]
+            return y + bias
         width = self.out_dim // self.num_shards
-        return y + tf.pad(self.biases[k], [[k * width, (self.num_shards - 1 - k) * width]])
+        return y + tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])
 
 
 def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
@@ -129,7 +132,8 @@ class ShardedHead(tf.Module):
 
     def __init__(self, spec: HeadSpec, full_weights: Sequence[Tuple[np.ndarray, np.ndarray]],
                  devices: Sequence[Optional[str]], fc_exchange: str = "gather",
-                 loss: str = "gathered", local: Optional[Sequence[int]] = None):
+                 loss: str = "gathered", local: Optional[Sequence[int]] = None,
+                 compute_dtype: str = "float32"):
         super().__init__(name="head")
         k = len(devices)
         for width in spec.hidden:
@@ -138,6 +142,9 @@ class ShardedHead(tf.Module):
         self.spec = spec
         self.num_shards = k
         self.loss_mode = loss
+        # What the FC layers compute in and their inputs and outputs travel in; the loss is
+        # always float32 (a bfloat16 or float16 softmax loses the small probabilities).
+        self.compute_dtype = tf.as_dtype(compute_dtype)
         # (labels, outputs) -> per-example loss; None: cross-entropy on the logits.
         self.per_example_loss: Optional[Callable[[tf.Tensor, tf.Tensor], tf.Tensor]] = None
         plan = split_plan(len(spec.widths), fc_exchange)
@@ -195,7 +202,7 @@ class ShardedHead(tf.Module):
         (xs[i] under the name scope f"fc_round{rounds[i]}" when rounds are given), one
         collective per layer for all of them."""
         layers = self.layers
-        xs = list(xs)
+        xs = [tf.cast(x, self.compute_dtype) for x in xs]
         per_round = functools.partial(_per_round, rounds=rounds)
         for i, layer in enumerate(layers[:-1]):
             zs = per_round(lambda x, r: layer.forward_shard(x, k), xs)
@@ -215,8 +222,9 @@ class ShardedHead(tf.Module):
         shard's variables joined (needs all shards in this process): what a one-device model
         with these weights computes. Serves calls outside a replica (Keras' symbolic build,
         a plain `model(x)`)."""
+        x = tf.cast(x, self.compute_dtype)
         for i, layer in enumerate(self.layers):
-            kernel, bias = layer.joined_variables()
+            kernel, bias = (tf.cast(v, x.dtype) for v in layer.joined_variables())
             x = tf.matmul(x, kernel) + bias
             if i < len(self.layers) - 1:
                 x = self._activate(i, x)
@@ -225,7 +233,9 @@ class ShardedHead(tf.Module):
     def outputs(self, logits: tf.Tensor) -> tf.Tensor:
         """What the model outputs for these (unpadded) logits: themselves, or their softmax.
         Keras' softmax keeps the logits on its result, so Keras' cross-entropy on it is
-        computed from the logits, as for the user's own model."""
+        computed from the logits, as for the user's own model. Float32, whatever the
+        compute dtype (Keras' mixed-precision rule for a model's outputs)."""
+        logits = tf.cast(logits, tf.float32)
         if self.spec.output_activation == "softmax":
             return keras.activations.softmax(logits, axis=-1)
         return logits
@@ -280,7 +290,7 @@ class ShardedHead(tf.Module):
         return per_round(lambda logits, r: self._round_loss_terms(logits, labels[r]), logits_all)
 
     def _round_loss_terms(self, logits: tf.Tensor, labels: tf.Tensor):
-        logits = logits[:, : self.spec.num_classes]
+        logits = tf.cast(logits[:, : self.spec.num_classes], tf.float32)
         outputs = self.outputs(logits)
         if self.per_example_loss is not None:
             ce = self.per_example_loss(labels, outputs)
@@ -292,6 +302,9 @@ class ShardedHead(tf.Module):
         return ce, correct, outputs
 
     def _sharded_cross_entropy(self, logits_shards, labels, k, per_round):
+        # float32 from here: sums of exponentials need its precision; what travels is [n, 2]
+        # per round, not [n, classes].
+        logits_shards = [tf.cast(l, tf.float32) for l in logits_shards]
         width = logits_shards[0].shape[1]
         classes = tf.range(k * width, (k + 1) * width)
         valid = classes < self.spec.num_classes

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.schemes import RoundsResult, SchemePlan, run_fc_rounds
+from owt_tf.parallel.schemes import RoundsResult, SchemePlan, run_fc_rounds, unscaled
 from owt_tf.parallel.shards import ShardedHead
 
 # images -> (last conv activations, extra trunk loss or None). The extra loss (a Keras
@@ -45,20 +45,24 @@ def shard_index(plan: SchemePlan) -> int:
 def replica_train_step(plan: SchemePlan, head: ShardedHead, trunk_forward: TrunkForward,
                        trunk_variables: Sequence[tf.Variable], images: tf.Tensor,
                        labels: tf.Tensor, seed: Optional[tf.Tensor], apply_trunk: ApplyTrunk,
-                       apply_fc: ApplyFc) -> ReplicaStep:
-    """One optimizer step of this replica (call inside strategy.run)."""
+                       apply_fc: ApplyFc, loss_scale: Optional[tf.Tensor] = None) -> ReplicaStep:
+    """One optimizer step of this replica (call inside strategy.run). With a `loss_scale`
+    (fp16), gradients are taken of the loss times it and unscaled before they are applied."""
     shard = shard_index(plan)
     with tf.GradientTape() as trunk_tape:
         activations, trunk_loss = trunk_forward(images)
+        activations = tf.cast(activations, head.compute_dtype)  # what the exchange sends
     rounds = run_fc_rounds(plan, head, activations, labels, shard, True, seed,
-                           lambda grads: apply_fc(shard, grads))
+                           lambda grads: apply_fc(shard, grads), loss_scale)
     targets, output_grads = [activations], [rounds.activation_grad]
     if trunk_loss is not None:
         # Every replica adds its copy and the trunk optimizer sums the K gradients.
         targets.append(trunk_loss / plan.num_replicas)
-        output_grads.append(tf.ones_like(trunk_loss))
+        scale = 1.0 if loss_scale is None else tf.cast(loss_scale, trunk_loss.dtype)
+        output_grads.append(tf.ones_like(trunk_loss) * scale)
     grads = trunk_tape.gradient(targets, list(trunk_variables), output_gradients=output_grads)
     grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trunk_variables)]
+    grads = unscaled(grads, loss_scale)
     apply_trunk(grads)
     return ReplicaStep(rounds, grads, trunk_loss)
 
@@ -69,8 +73,9 @@ def replica_logits(model_parallel: bool, head: ShardedHead, trunk_forward: Trunk
     parallel: every replica sees every row) or its own rows (data parallel)."""
     shard = coll.replica_id() if model_parallel else 0
     activations, _ = trunk_forward(images)
+    activations = tf.cast(activations, head.compute_dtype)
     rows = coll.all_gather(activations, 0, coll.ACTIVATIONS) if model_parallel else activations
     logits = head.forward(rows, shard, False, None)
     if head.num_shards > 1:
         logits = coll.all_gather(logits, 1, coll.LOGITS)
-    return logits[:, : head.spec.num_classes]
+    return tf.cast(logits[:, : head.spec.num_classes], tf.float32)

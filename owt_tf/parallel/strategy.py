@@ -35,6 +35,7 @@ from owt_tf.devices import (make_multiworker_strategy, make_strategy, outside_st
 from owt_tf.models.spec import ModelSpec
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.plan import ParallelPlan
+from owt_tf.parallel.precision import keras_policy
 from owt_tf.parallel.schemes import SchemePlan
 from owt_tf.parallel.shards import ShardedHead, ShardReader, assemble, read_local_shards
 from owt_tf.parallel.step import replica_logits, replica_train_step, shard_index
@@ -87,8 +88,8 @@ class HybridStrategy:
     def __init__(self, devices: Union[int, Sequence[str]] = 2, scheme: str = "owt-b",
                  batch_size: Optional[int] = None, fc_batch: str = "global",
                  fc_exchange: str = "gather", loss: str = "gathered", jit: bool = False,
-                 cluster: Optional[Cluster] = None):
-        self.parallel_plan = ParallelPlan(scheme, fc_batch, fc_exchange, loss, jit)
+                 cluster: Optional[Cluster] = None, precision: str = "fp32"):
+        self.parallel_plan = ParallelPlan(scheme, fc_batch, fc_exchange, loss, jit, precision)
         if isinstance(devices, int):
             self.parallel_plan.check_devices(devices)
             from owt_tf.devices import setup_devices
@@ -162,25 +163,31 @@ class HybridStrategy:
 
     # -- placement ---------------------------------------------------------------------
     def build_model(self, spec: ModelSpec, seed: int) -> DistributedModel:
-        """Trunk mirrored on every device; FC shard k on devices[k] (or mirrored for 'data')."""
-        with self.strategy.scope():
+        """Trunk mirrored on every device; FC shard k on devices[k] (or mirrored for 'data').
+        Both compute in the plan's precision (a user's model: in its own dtype policy), with
+        float32 weights."""
+        with self.strategy.scope(), keras_policy(self.parallel_plan.compute_dtype):
             trunk = spec.build_trunk()
         trunk_weights, full = spec.initial_weights_for(trunk, seed)
         trunk.set_weights(trunk_weights)
-        return DistributedModel(spec, trunk, self.place_head(spec.head, full), self.read_shards)
+        head = self.place_head(spec.head, full, spec.compute_dtype)
+        return DistributedModel(spec, trunk, head, self.read_shards)
 
-    def place_head(self, spec, full_weights) -> ShardedHead:
+    def place_head(self, spec, full_weights, compute_dtype: Optional[str] = None) -> ShardedHead:
         """Where FC shards are placed: shard k on replica k's device (each process creates only
-        its own); under pure data parallelism one mirrored copy."""
+        its own); under pure data parallelism one mirrored copy. They compute in
+        `compute_dtype` (default: the plan's precision)."""
+        dtype = compute_dtype or self.parallel_plan.compute_dtype
         if self.model_parallel:
             # Outside strategy.scope(): tf.device is ignored for variables created inside it
             # (tensorflow/tensorflow#56416).
             # A thread of its own: the caller may be inside a strategy scope.
             return outside_strategy_scope(lambda: ShardedHead(
                 spec, full_weights, self.devices, self.fc_exchange, self.loss,
-                local=self.local_replicas))
+                local=self.local_replicas, compute_dtype=dtype))
         with self.strategy.scope():
-            return ShardedHead(spec, full_weights, [None], "gather", "gathered")
+            return ShardedHead(spec, full_weights, [None], "gather", "gathered",
+                               compute_dtype=dtype)
 
     def read_shards(self, per_shard: Dict[int, List[tf.Variable]]) -> List[List[np.ndarray]]:
         """Values of every FC shard's variables (the ShardReader of this strategy's models):
@@ -278,16 +285,18 @@ class HybridStrategy:
 
     # -- steps (call inside a tf.function) ------------------------------------------------
     def train_step(self, model: DistributedModel, optim, images, labels,
-                   seed: Optional[tf.Tensor] = None, with_grads: bool = False) -> Dict[str, tf.Tensor]:
+                   seed: Optional[tf.Tensor] = None, with_grads: bool = False,
+                   loss_scale: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
         """One optimizer step on a distributed batch. Returns loss, error and (optionally) grads.
 
-        `seed` (int32 [2]) seeds dropout; it must differ per step. Traffic is counted into
-        `self.ledger` while the step is traced.
+        `seed` (int32 [2]) seeds dropout; it must differ per step. `loss_scale` (fp16): the
+        factor gradients are taken at (owt_tf.parallel.precision.DynamicLossScale). Traffic
+        is counted into `self.ledger` while the step is traced.
         """
         self.ledger = coll.TrafficLedger()
         with coll.recording(self.ledger):
             step = functools.partial(self._replica_train_step, model, optim, seed=seed,
-                                     with_grads=with_grads)
+                                     with_grads=with_grads, loss_scale=loss_scale)
             out = self._run(step, images, labels)
         return self._merge_replica_outputs(out)
 
@@ -374,13 +383,13 @@ class HybridStrategy:
 
         return with_regularization
 
-    def _replica_train_step(self, model, optim, images, labels, seed, with_grads):
+    def _replica_train_step(self, model, optim, images, labels, seed, with_grads, loss_scale):
         plan = self.plan
         trunk_vars = model.trunk.trainable_variables
 
         step = replica_train_step(plan, model.head, self.trunk_forward(model.trunk, True),
                                   trunk_vars, images, labels, seed, optim.trunk.apply,
-                                  optim.fc.apply)
+                                  optim.fc.apply, loss_scale)
         rounds, trunk_grads = step.rounds, step.trunk_grads
         # The numerical guard's input: is each of these finite on this replica (names:
         # finite_check_names). Checked here, where every gradient exists, for one pass each.

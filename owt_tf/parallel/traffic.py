@@ -4,7 +4,9 @@ Written from the scheme definitions (docs/paper.md), not from the engine's code,
 can hold the ledger (owt_tf.parallel.collectives, filled while a real step is traced) to
 it exactly; the planner prices schemes with it. Both share only the ring cost of one
 collective (collectives.*_cost); which collectives a step issues, on what sizes, is
-written out here independently. fp32 activations, int32 labels.
+written out here independently. Int32 labels; activations, their gradients and the
+gathered logits in the compute dtype (4 bytes in fp32, 2 in bf16/fp16); weight gradients and
+the sharded loss's sums always float32.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Dict, List
 
 from owt_tf.models.cost import NetworkShape
 from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.plan import VALUE_BYTES
 from owt_tf.parallel.shards import COL, ROW, padded, split_plan
 
 F32 = 4
@@ -37,7 +40,7 @@ class Transfer:
 
 def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
                    fc_exchange: str = "gather", loss: str = "gathered",
-                   fc_batch: str = "global") -> List[Transfer]:
+                   fc_batch: str = "global", precision: str = "fp32") -> List[Transfer]:
     """Every collective one worker takes part in during a step, grouped by purpose.
 
     Conv (and, for `data`, FC) gradients count as one launch each: they are packed into one
@@ -52,24 +55,26 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     if scheme == "data":
         return out + [Transfer(coll.FC_GRAD, _reduce(net.fc_params * F32, k), 1)]
     b, d = batch_size, net.features
-    # the labels ride in the activations' collectives, as one more float column: no launch
-    # of their own, the bytes of a gather of them
-    out.append(Transfer(coll.LABELS, _gather(b * I32, k), 0))
+    value = VALUE_BYTES[precision]
+    # in fp32 the labels ride in the activations' collectives, as one more float column: no
+    # launch of their own, the bytes of a gather of them; a 2-byte float cannot hold every
+    # label exactly, so in bf16/fp16 they are gathered on their own
+    out.append(Transfer(coll.LABELS, _gather(b * I32, k), 0 if value == F32 else 1))
     if scheme in ("owt-a", "single"):
         rounds, n = 1, k * b
         # forward: gather every worker's block; backward: reduce-scatter the gradient
-        act, act_calls = _gather(b * d * F32, k) + _scatter(k * b * d * F32, k), 2
+        act, act_calls = _gather(b * d * value, k) + _scatter(k * b * d * value, k), 2
     elif scheme == "owt-b":
         rounds, n = k, b
         # K broadcasts, one from each worker; the gradients of all K rounds go back to
         # their owners at once (a reduce-scatter, as in scheme (a))
-        act, act_calls = k * _bcast(b * d * F32, k) + _scatter(k * b * d * F32, k), k + 1
+        act, act_calls = k * _bcast(b * d * value, k) + _scatter(k * b * d * value, k), k + 1
     elif scheme == "owt-c":
         rounds, n = k, b
         s = b // k
         # each round: gather B/K rows of every worker; backward: the gradients of all K
         # rounds reduce-scattered back to their owners at once
-        act, act_calls = rounds * (_gather(s * d * F32, k) + _scatter(b * d * F32, k)), rounds + 1
+        act, act_calls = rounds * (_gather(s * d * value, k) + _scatter(b * d * value, k)), rounds + 1
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
     out.append(Transfer(coll.ACTIVATIONS, act, act_calls))
@@ -81,10 +86,10 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     fc, fc_calls = Fraction(0), 0
     for i, width in enumerate(widths[:-1]):
         if plan[i] == ROW:
-            fc += 2 * _reduce(n * width * F32, k)  # partial sums forward, gradient backward
+            fc += 2 * _reduce(n * width * value, k)  # partial sums forward, gradient backward
             fc_calls += 2 * rounds
         elif plan[i] == COL and plan[i + 1] == COL:
-            fc += _gather(n * width // k * F32, k) + _scatter(n * width * F32, k)
+            fc += _gather(n * width // k * value, k) + _scatter(n * width * value, k)
             fc_calls += 2 * passes
     out.append(Transfer(coll.FC_EXCHANGE, rounds * fc, fc_calls))
     classes = padded(net.num_classes, k)
@@ -93,17 +98,18 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
         # [n, 2] each way
         per_round, calls = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k), passes + 2 * rounds
     else:
-        per_round = _gather(n * classes // k * F32, k) + _scatter(n * classes * F32, k)
+        per_round = _gather(n * classes // k * value, k) + _scatter(n * classes * value, k)
         calls = 2 * passes
     out.append(Transfer(coll.LOGITS, rounds * per_round, calls))
     return out
 
 
 def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,
-                 fc_exchange: str = "gather", loss: str = "gathered") -> Dict[str, Fraction]:
+                 fc_exchange: str = "gather", loss: str = "gathered",
+                 precision: str = "fp32") -> Dict[str, Fraction]:
     """Bytes per worker per step by purpose (keys of collectives.PURPOSES)."""
     out = {p: Fraction(0) for p in coll.PURPOSES}
-    for t in step_transfers(net, scheme, k, batch_size, fc_exchange, loss):
+    for t in step_transfers(net, scheme, k, batch_size, fc_exchange, loss, precision=precision):
         out[t.purpose] += t.nbytes
     return out
 

@@ -167,17 +167,21 @@ class RunCheckpoints:
     def __init__(self, logdir: str, model, optim, step: tf.Variable, identity: Dict[str, object],
                  counters: Optional[Dict[str, tf.Variable]] = None, max_to_keep: int = 3,
                  read_shards: ShardReader = read_local_shards, is_chief: bool = True,
-                 read_only: bool = False):
+                 read_only: bool = False,
+                 optional_counters: Optional[Dict[str, tf.Variable]] = None):
         self.directory = os.path.join(logdir, "checkpoints")
         self.identity = identity
         self.is_chief = is_chief
         self.max_to_keep = max_to_keep
         # Only the run's writer moves damaged checkpoints aside; readers leave files alone.
         self.moves_damaged = is_chief and not read_only
-        self.checkpoint = tf.train.Checkpoint(trunk=model.trunk,
-                                              trunk_optimizer=optim.trunk.optimizer,
-                                              fc=FcState(model, optim, read_shards), step=step,
-                                              **(counters or {}))
+        required = dict(trunk=model.trunk, trunk_optimizer=optim.trunk.optimizer,
+                        fc=FcState(model, optim, read_shards), step=step, **(counters or {}))
+        # Saved, but a checkpoint without them restores too (keeping their initial values):
+        # state only some runs have, e.g. fp16's loss scale in a run resumed from fp32.
+        self.optional = dict(optional_counters or {})
+        self.checkpoint = tf.train.Checkpoint(**required, **self.optional)
+        self._required_only = tf.train.Checkpoint(**required)
         write_to = self.directory if is_chief else tempfile.mkdtemp(prefix="owt_tf_worker_ckpt_")
         self.manager = tf.train.CheckpointManager(self.checkpoint, write_to, max_to_keep)
 
@@ -234,8 +238,11 @@ class RunCheckpoints:
     def _restore(self, path: str) -> None:
         """Restores `path` after reading it back whole; CheckpointDamaged if it cannot be."""
         verify_checkpoint(path)
+        saved = {name.split("/")[0] for name, _ in tf.train.list_variables(path)}
+        checkpoint = (self.checkpoint if all(name in saved for name in self.optional)
+                      else self._required_only)
         try:
-            self.checkpoint.restore(path).assert_existing_objects_matched()
+            checkpoint.restore(path).assert_existing_objects_matched().expect_partial()
         except _READ_ERRORS as err:
             if isinstance(err, CheckpointMismatch):
                 raise

@@ -22,6 +22,7 @@ from owt_tf.data.stats import settle_normalisation
 from owt_tf.devices import DeviceError, setup_devices
 from owt_tf.models import build_model
 from owt_tf.parallel.plan import PlanError
+from owt_tf.parallel.precision import DynamicLossScale
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from owt_tf.training.optim import build_optimizer
@@ -121,7 +122,8 @@ class Trainer:
         # First: a cluster's strategy configures collectives, which must precede any op.
         self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
                                      config.fc_batch, config.fc_exchange, config.loss,
-                                     jit=config.jit, cluster=config.resolved_cluster())
+                                     jit=config.jit, cluster=config.resolved_cluster(),
+                                     precision=config.precision)
         probe = _model_spec(config, None)
         self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed,
                                     data_dir=config.data_dir, download=config.download,
@@ -144,12 +146,17 @@ class Trainer:
         self.data_position = tf.Variable(0, dtype=tf.int64, trainable=False, name="data_position")
         self.skipped_images = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_images")
         self.skipped_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_nonfinite")
+        self.loss_scale = DynamicLossScale() if config.precision == "fp16" else None
+        counters = {"data_position": self.data_position, "skipped_images": self.skipped_images,
+                    "skipped_nonfinite": self.skipped_steps}
+        scale_state = ({} if self.loss_scale is None else
+                       {"loss_scale": self.loss_scale.scale,
+                        "loss_scale_good_steps": self.loss_scale.good_steps})
         identity = {"model": config.model, "dataset": config.dataset,
                     "num_classes": self.dataset.num_classes}
         self.checkpoints = RunCheckpoints(
             self.logdir, self.model, self.optimizer, self.step, identity,
-            counters={"data_position": self.data_position, "skipped_images": self.skipped_images,
-                      "skipped_nonfinite": self.skipped_steps},
+            counters=counters, optional_counters=scale_state,
             read_shards=self.model.read_shards, is_chief=self.hybrid.is_chief,
             read_only=self.read_only)
         self.checkpoints.check_identity(self.logdir)
@@ -171,8 +178,9 @@ class Trainer:
         self._eval_fn = tf.function(self._eval_step)
         self._predict_fn = tf.function(lambda images: self.hybrid.predict_step(self.model, images))
         self._finite_names = self.hybrid.finite_check_names(self.model)
+        # fp16 undoes every step whose scaled gradients overflowed, as does --skip-nonfinite.
         self._snapshot = (StepSnapshot(self._state_variables(), strategy)
-                          if config.skip_nonfinite else None)
+                          if config.skip_nonfinite or self.loss_scale is not None else None)
 
     def _train_input(self, start: int):
         """This process's replicas' rows of the global batches from stream position `start`:
@@ -198,7 +206,8 @@ class Trainer:
     def _train_step(self, images, labels, with_grads=False):
         seed = tf.stack([tf.constant(self.config.seed, tf.int64), self.step])
         out = self.hybrid.train_step(self.model, self.optimizer, images, labels,
-                                     tf.cast(seed, tf.int32), with_grads=with_grads)
+                                     tf.cast(seed, tf.int32), with_grads=with_grads,
+                                     loss_scale=None if self.loss_scale is None else self.loss_scale.scale)
         self.step.assign_add(1)
         return out
 
@@ -219,7 +228,10 @@ class Trainer:
                                                     self._stream_end(positions), unreadable)
         self._advance_data_position(end, unreadable)
         nonfinite = first_nonfinite(finite, self._finite_names)
-        if nonfinite is not None:
+        if self._overflowed_loss_scale(finite):
+            self._snapshot.restore()  # a scale step, not a guard stop: nothing is counted
+            self.loss_scale.update(False)
+        elif nonfinite is not None:
             if int(self.skipped_steps) >= self.config.skip_nonfinite:
                 raise NonFiniteError(int(self.step), nonfinite, self.checkpoints.latest)
             self._snapshot.restore()
@@ -246,6 +258,16 @@ class Trainer:
         self.decoded_images += int(np.sum(failed + 1))
         self.batch_images += batch
         return int(np.count_nonzero(failed))
+
+    def _overflowed_loss_scale(self, finite: np.ndarray) -> bool:
+        """fp16: whether this step's scaled gradients overflowed (a finite loss, some gradient
+        not, the scale above 1); also counts a finite step towards the scale's growth."""
+        if self.loss_scale is None:
+            return False
+        if bool(np.all(finite)):
+            self.loss_scale.update(True)
+            return False
+        return bool(finite[0]) and not self.loss_scale.at_minimum
 
     def _stream_end(self, positions) -> int:
         """The stream position after this process's rows of the batch."""
@@ -444,7 +466,8 @@ class Trainer:
             summaries.train(i, m.loss, m.top1_error, m.images_per_sec, m.bytes_per_step,
                             float(self.optimizer.trunk.learning_rate.numpy()),
                             float(self.optimizer.fc_learning_rate.numpy()))
-            summaries.counters(i, int(self.skipped_images), int(self.skipped_steps))
+            summaries.counters(i, int(self.skipped_images), int(self.skipped_steps),
+                               None if self.loss_scale is None else float(self.loss_scale.scale.numpy()))
         if histograms:
             summaries.histograms(i, "weights", self.model.named_weights().items())
             if m.grads is not None:

@@ -22,6 +22,7 @@ IMAGES_PER_SEC = "perf/images_per_sec"
 BYTES_PER_STEP = "comm/bytes_per_step"
 SKIPPED_IMAGES = "data/skipped_images"  # training images that could not be decoded, in all
 SKIPPED_NONFINITE = "train/skipped_nonfinite"  # steps undone for a non-finite loss or gradient
+LOSS_SCALE = "train/loss_scale"  # --precision fp16: the dynamic loss scale
 CONTRACT_TAGS = (TRAIN_LOSS, TRAIN_TOP1, VAL_LOSS, VAL_TOP1, VAL_TOP5, LR_CONV, LR_FC,
                  IMAGES_PER_SEC, BYTES_PER_STEP)
 
@@ -55,10 +56,13 @@ class RunSummaries:
                                (LR_CONV, conv_lr), (LR_FC, fc_lr)):
                 tf.summary.scalar(tag, value, step=step)
 
-    def counters(self, step: int, skipped_images: int, skipped_nonfinite: int) -> None:
+    def counters(self, step: int, skipped_images: int, skipped_nonfinite: int,
+                 loss_scale: Optional[float] = None) -> None:
         with self.writer.as_default():
             tf.summary.scalar(SKIPPED_IMAGES, skipped_images, step=step)
             tf.summary.scalar(SKIPPED_NONFINITE, skipped_nonfinite, step=step)
+            if loss_scale is not None:
+                tf.summary.scalar(LOSS_SCALE, loss_scale, step=step)
 
     def validation(self, step: int, loss: float, top1_error: float, top5_error: float) -> None:
         with self.writer.as_default():
