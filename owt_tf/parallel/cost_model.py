@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from owt_tf.models.cost import NetworkCost, network_cost
-from owt_tf.parallel.plan import FC_EXCHANGES, LOSS_MODES
+from owt_tf.parallel.plan import FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES
 
 # owt_tf.parallel's collectives (and with them TensorFlow) are imported inside the functions
 # that price, so that `python -m owt_tf.plan` rejects bad flags before TensorFlow loads.
@@ -164,18 +164,29 @@ class Prediction:
     compute_s: float
     communication_s: float
     hidden_s: float  # communication overlapped with FC compute
+    fc_batch_mode: str = "global"  # train's --fc-batch: 'worker' only for owt-b/c
+
+    @property
+    def runnable(self) -> bool:
+        """Whether owt_tf trains this configuration (the seed papers' alternatives it only prices)."""
+        return self.scheme in OWT_SCHEMES or self.scheme == "single"
+
+    @property
+    def key(self) -> tuple:
+        """What tells two rows of one K apart: the flags train would be given."""
+        return (self.scheme, self.devices, self.fc_batch_mode, self.fc_exchange, self.loss)
 
     @property
     def flags(self) -> str:
-        if self.scheme not in OWT_SCHEMES and self.scheme != "single":
+        """Train's parallel flags for this row (no model, no dataset)."""
+        if not self.runnable:
             return "(not in owt_tf)"
         if self.scheme == "single":
-            return f"--scheme single --devices 1 --batch-size {self.devices * self.batch_size}"
-        fc_batch = "worker" if self.fc_batch == self.batch_size else "global"
-        flags = f"--scheme {self.scheme} --devices {self.devices} --batch-size {self.batch_size}"
+            return f"--devices 1 --batch-size {self.devices * self.batch_size} --scheme single"
+        flags = f"--devices {self.devices} --batch-size {self.batch_size} --scheme {self.scheme}"
         if self.scheme in ("owt-b", "owt-c"):
-            flags += f" --fc-batch {fc_batch}"
-        if self.scheme not in ("data", "single"):
+            flags += f" --fc-batch {self.fc_batch_mode}"
+        if self.scheme != "data":
             flags += f" --fc-exchange {self.fc_exchange} --loss {self.loss}"
         return flags
 
@@ -198,21 +209,25 @@ def _single_seconds(net: NetworkCost, examples: int, hw: Hardware) -> float:
             + _update_seconds(net.params, hw.memory_bandwidth))
 
 
-def _result(scheme, k, b, fc_batch, fc_exchange, loss, compute, comm, hidden, nbytes, baseline):
+def _result(scheme, k, b, fc_batch, fc_exchange, loss, compute, comm, hidden, nbytes, baseline,
+            fc_batch_mode="global"):
     step = compute + comm - hidden
     return Prediction(scheme, k, b, fc_batch, fc_exchange, loss, step, k * b / step, baseline / step,
-                      float(nbytes), compute, comm, hidden)
+                      float(nbytes), compute, comm, hidden, fc_batch_mode)
 
 
 def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int,
-            fc_batch: str = "worker", fc_exchange: str = "gather", loss: str = "gathered") -> Prediction:
-    """Step time of one owt_tf scheme (or `single`: one device, global batch) at K devices."""
+            fc_batch: str = "global", fc_exchange: str = "gather", loss: str = "gathered") -> Prediction:
+    """Step time of one owt_tf scheme (or `single`: one device, global batch) at K devices.
+    `fc_batch` is train's --fc-batch; it matters only to owt-b and owt-c."""
     from owt_tf.parallel import collectives as coll, traffic
 
     b = batch_size
     baseline = _single_seconds(net, k * b, hw)
     if scheme == "single" or k == 1:
-        return _result("single", k, b, k * b, fc_exchange, loss, baseline, 0.0, 0.0, 0, baseline)
+        return _result("single", k, b, k * b, "gather", "gathered", baseline, 0.0, 0.0, 0, baseline)
+    if scheme not in ("owt-b", "owt-c"):
+        fc_batch = "global"  # the others update the FC layers once per step whatever is asked
     share = k if hw.shared_compute else 1  # logical devices queue for the same cores
     mem = hw.memory_bandwidth / share
     conv = b * net.conv_train_flops / hw.flops * share + _memory_seconds(net, b, mem)
@@ -224,7 +239,7 @@ def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int
     comm = sum(seconds.values())
     if scheme == "data":
         compute = conv + fc + trunk_update + _update_seconds(net.shape.fc_params, mem)
-        return _result(scheme, k, b, b, "gather", "gathered", compute, comm, 0.0, nbytes, baseline)
+        return _result(scheme, k, b, k * b, "gather", "gathered", compute, comm, 0.0, nbytes, baseline)
     rounds = k if scheme in ("owt-b", "owt-c") else 1
     per_round_fc = k * b if scheme == "owt-a" else b
     fc_updates = rounds if (fc_batch == "worker" and rounds > 1) else 1
@@ -236,7 +251,8 @@ def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int
         a = seconds[coll.ACTIVATIONS] / rounds
         f = (fc + fc_update + seconds[coll.FC_EXCHANGE] + seconds[coll.LOGITS]) / rounds
         hidden = (rounds - 1) * min(a, f)
-    return _result(scheme, k, b, per_round_fc, fc_exchange, loss, compute, comm, hidden, nbytes, baseline)
+    return _result(scheme, k, b, b if fc_updates > 1 else per_round_fc * rounds, fc_exchange, loss,
+                   compute, comm, hidden, nbytes, baseline, fc_batch if rounds > 1 else "global")
 
 
 def _model_parallel_exchange(net: NetworkCost, g: int, rows: int) -> tuple:
@@ -303,32 +319,86 @@ def predict_alternative(net: NetworkCost, hw: Hardware, scheme: str, k: int, bat
 
 
 def plan(net: NetworkCost, hw: Hardware, devices: Sequence[int], batch_size: int,
-         fc_batch: str = "worker", fc_exchange: str = "gather", loss: str = "gathered",
-         alternatives: bool = True) -> List[Prediction]:
-    """Every scheme (and alternative) at every K, in table order."""
+         fc_batch: str = "global", fc_exchange: str = "gather", loss: str = "gathered",
+         alternatives: bool = True, recommended: bool = False) -> List[Prediction]:
+    """Every scheme (and alternative) at every K, in table order. `recommended`: the choice
+    and runner-up of `rank` at each K are rows too (after that K's owt_tf rows, where the
+    flags asked for do not already give them), so that a recommendation is always one of
+    the table's rows."""
     rows = []
     for k in devices:
-        rows.append(predict(net, hw, "single", k, batch_size))
-        if k == 1:
-            continue
-        for scheme in OWT_SCHEMES:
-            rows.append(predict(net, hw, scheme, k, batch_size, fc_batch, fc_exchange, loss))
-        if alternatives:
+        own = [predict(net, hw, "single", k, batch_size)]
+        if k > 1:
+            own += [predict(net, hw, scheme, k, batch_size, fc_batch, fc_exchange, loss)
+                    for scheme in OWT_SCHEMES if _fits(scheme, k, batch_size)]
+        if recommended:
+            keys = {p.key for p in own}
+            ranked = rank(net, hw, k, batch_size)
+            best = [ranked[0], runner_up(ranked)]
+            own += [p for p in best if p is not None and p.key not in keys]
+        rows += own
+        if alternatives and k > 1:
             rows += [predict_alternative(net, hw, s, k, batch_size) for s in ALTERNATIVES]
     return rows
 
 
+def _fits(scheme: str, k: int, batch_size: int, hidden: Sequence[int] = ()) -> bool:
+    """Whether owt_tf can run `scheme` at K: owt-c splits the batch K ways; every model-parallel
+    scheme splits the hidden FC widths K ways."""
+    if scheme == "owt-c" and batch_size % k:
+        return False
+    return scheme == "data" or all(w % k == 0 for w in hidden)
+
+
+def candidates(net: NetworkCost, hw: Hardware, k: int, batch_size: int,
+               fc_batches: Sequence[str] = FC_BATCH_MODES,
+               schemes: Sequence[str] = OWT_SCHEMES) -> List[Prediction]:
+    """Every owt_tf configuration that runs at K, priced by `predict` (the function that makes
+    `plan`'s rows): `schemes` with every FC exchange and loss, and every FC batch mode of
+    `fc_batches` that the scheme has ('worker' only for owt-b/c). At K = 1: `single` alone."""
+    if k == 1:
+        return [predict(net, hw, "single", 1, batch_size)]
+    options = []
+    for scheme in schemes:
+        if not _fits(scheme, k, batch_size, net.shape.hidden):
+            continue
+        if scheme == "data":
+            options.append(predict(net, hw, scheme, k, batch_size))
+            continue
+        modes = [m for m in fc_batches if m == "global" or scheme in ("owt-b", "owt-c")]
+        for mode in modes:
+            for exchange in FC_EXCHANGES:
+                for loss in LOSS_MODES:
+                    options.append(predict(net, hw, scheme, k, batch_size, mode, exchange, loss))
+    return options
+
+
+def rank(net: NetworkCost, hw: Hardware, k: int, batch_size: int,
+         fc_batches: Sequence[str] = FC_BATCH_MODES,
+         schemes: Sequence[str] = OWT_SCHEMES) -> List[Prediction]:
+    """`candidates`, fastest first (ties keep the candidates' order: scheme, FC batch,
+    exchange, loss). `plan --recommend` and `--scheme auto` both read this list: the first
+    is the choice, `runner_up` the next best."""
+    return sorted(candidates(net, hw, k, batch_size, fc_batches, schemes),
+                  key=lambda p: p.step_time_s)
+
+
+def runner_up(ranked: Sequence[Prediction]) -> Optional[Prediction]:
+    """The fastest row of `rank` under another scheme than the choice (the same scheme with
+    another exchange or loss is often a tie, which says nothing), else the second row; None
+    when the choice is alone (K = 1)."""
+    others = [p for p in ranked[1:] if p.scheme != ranked[0].scheme]
+    return others[0] if others else (ranked[1] if len(ranked) > 1 else None)
+
+
 def recommend(net: NetworkCost, hw: Hardware, k: int, batch_size: int) -> Prediction:
     """The fastest owt_tf configuration at K devices: scheme, FC batch, exchange and loss."""
-    options = [predict(net, hw, "single", k, batch_size)]
-    for scheme in OWT_SCHEMES:
-        fc_batches = ("worker", "global") if scheme in ("owt-b", "owt-c") else ("global",)
-        for fb in fc_batches:
-            for x in FC_EXCHANGES:
-                for loss in LOSS_MODES:
-                    if k > 1 and (scheme != "owt-c" or batch_size % k == 0):
-                        options.append(predict(net, hw, scheme, k, batch_size, fb, x, loss))
-    return min(options, key=lambda p: p.step_time_s)
+    return rank(net, hw, k, batch_size)[0]
+
+
+def train_command(p: Prediction, model: str, dataset: str) -> str:
+    """The `python -m owt_tf.train` command line that runs the configuration of row `p`."""
+    return f"python -m owt_tf.train --model {model} --dataset {dataset} {p.flags}"
 
 
 def paper_rows(net: NetworkCost, hw: Hardware) -> List[Dict[str, object]]:
