@@ -104,23 +104,34 @@ HARDWARE_NAMES = ("k20-pcie", "h100-nvlink", "h200-nvlink", "cpu")
 
 def measure_cpu(devices: int) -> Hardware:
     """This machine's CPU, measured now: matmul FLOP/s, copy bandwidth, and an all-reduce
-    over `devices` logical CPU devices for the collective bandwidth and per-launch latency."""
+    over `devices` logical CPU devices for the collective bandwidth and per-launch latency
+    (none at one device, which exchanges nothing: the logical devices of a run already
+    under way cannot be added to)."""
     from owt_tf.parallel import collectives as coll
 
     from owt_tf.devices import logical_cpu_devices, make_strategy
 
     import tensorflow as tf
 
-    names = logical_cpu_devices(max(devices, 2))
+    names = logical_cpu_devices(devices)
     a = tf.random.normal([1024, 1024])
     flops = 2 * 1024 ** 3 / _best_seconds(lambda: tf.matmul(a, a).numpy())
     big = tf.random.normal([16 * 1024 * 1024])
     memory = 2 * 4 * big.shape[0] / _best_seconds(lambda: (big + 1.0).numpy())
-    strategy = make_strategy(names[:max(devices, 2)])
+    if devices < 2:
+        return Hardware("cpu", flops=flops, memory_bandwidth=memory, link_bandwidth=memory,
+                        latency=0.0, shared_link=True, shared_compute=True,
+                        source="measured on this machine: 1024^2 matmul, 64 MB add (one "
+                               "device: no collective to measure)")
+    strategy = make_strategy(names[:devices])
     k = strategy.num_replicas_in_sync
 
     def all_reduce_seconds(n: int) -> float:
-        x = strategy.run(lambda: tf.ones([n]))
+        @tf.function  # strategy.run called eagerly warns of its overhead
+        def ones():
+            return strategy.run(tf.ones, args=([n],))
+
+        x = ones()
 
         @tf.function
         def reduce(v):
