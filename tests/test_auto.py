@@ -120,3 +120,51 @@ def test_train_scheme_auto_names_its_choice_and_records_it(tmp_path):
     assert "runner-up" in lines[0] and "ms/step" in lines[0]
     done = [l for l in proc.stdout.splitlines() if l.startswith("done: 3 steps")]
     assert done and f"| {saved['scheme']} on 2 devices" in done[0]
+
+
+USER_MODELS = '''
+import keras
+
+def plain(num_classes):
+    return keras.Sequential([
+        keras.Input((16, 16, 3)),
+        keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="relu", name="fc1"),
+        keras.layers.Dense(num_classes, name="predictions"),
+    ], name="plain_net")
+
+def depthwise(num_classes):
+    return keras.Sequential([
+        keras.Input((16, 16, 3)),
+        keras.layers.DepthwiseConv2D(3, name="dw"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="relu", name="fc1"),
+        keras.layers.Dense(num_classes, name="predictions"),
+    ], name="dw_net")
+'''
+
+
+@pytest.mark.parametrize("function,counted", [("plain", True), ("depthwise", False)])
+def test_trainer_chooses_for_a_user_model_or_says_why_not(devices, tmp_path, monkeypatch,
+                                                          capsys, function, counted):
+    from owt_tf.config import RunConfig
+    from owt_tf.training.loop import Trainer
+
+    (tmp_path / "auto_user_models.py").write_text(USER_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("auto_user_models", None)
+    config = RunConfig(model=f"auto_user_models:{function}", dataset="synthetic", devices=2,
+                       scheme="auto", batch_size=8, steps=1, eval_every=0,
+                       logdir=str(tmp_path / "run"))
+    trainer = Trainer(config, devices=devices[:2])
+    line = next(l for l in capsys.readouterr().out.splitlines() if "--scheme auto chose" in l)
+    assert trainer.config.scheme in SCHEMES and trainer.hybrid.scheme == trainer.config.scheme
+    assert f"chose {trainer.config.scheme}" in line
+    if counted:
+        assert "runner-up" in line and trainer.hybrid.auto_choice.choice is not None
+    else:
+        assert trainer.config.scheme == auto.FALLBACK_SCHEME
+        assert "fallback" in line and "cannot count model" in line and "dw" in line
+    trainer.fit(log=lambda text: None)
+    assert int(trainer.step) == 1
