@@ -37,7 +37,9 @@ TRAIN_HELP = {
     "manual_dir": "imagenet2012: the folder holding ILSVRC2012_img_train.tar and _val.tar",
     "devices": "devices per process (GPUs, else logical CPU devices); K = this x the cluster's "
                "workers",
-    "scheme": "single | data (pure data parallel) | owt-a | owt-b | owt-c (docs/paper.md)",
+    "scheme": "single | data (pure data parallel) | owt-a | owt-b | owt-c (docs/paper.md) | "
+              "auto: the planner (python -m owt_tf.plan --recommend) picks scheme, --fc-exchange "
+              "and --loss for this machine, model, K and batch (--fc-batch is kept); one process",
     "batch_size": "examples per worker per step (B); the global batch is B*K",
     "fc_batch": "global: FC updated once per step on B*K; worker: after every round on B (b, c)",
     "fc_exchange": "gather (paper: all-gather FC outputs) or colrow (Megatron column/row pairs)",
@@ -78,7 +80,7 @@ TRAIN_HELP = {
     "task_index": "this worker's place in --cluster (0 is the chief)",
     "verbose": "show TensorFlow's C++ start-up log lines (hidden by default)",
 }
-TRAIN_CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES, "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
+TRAIN_CHOICES = {"lr_schedule": LR_SCHEDULES, "scheme": SCHEMES + ("auto",), "fc_batch": FC_BATCH_MODES, "fc_exchange": FC_EXCHANGES,
            "loss": LOSS_MODES, "lr_scaling": LR_SCALINGS, "precision": tuple(PRECISIONS),
            "augment": AUGMENTATIONS, "device_type": DEVICE_TYPES}
 

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Optional
 
-from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS,
+from owt_tf.parallel.plan import (AUTO, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS,
                                   SCHEMES, ParallelPlan, PlanError)
 
 LR_SCALINGS = ("linear", "sqrt", "none")
@@ -141,10 +141,11 @@ class RunConfig:
         return self.lr * lr_scale(self.lr_scaling, self.fc_batch_size / self.lr_batch)
 
     def parallel_plan(self) -> ParallelPlan:
-        """The run's ParallelPlan (its rules are checked here and by the strategy)."""
+        """The run's ParallelPlan (its rules are checked here and by the strategy); under
+        --scheme auto, until the Trainer chooses, owt-b's (it checks the flags auto keeps)."""
         with _as_flag_error():
-            return ParallelPlan(self.scheme, self.fc_batch, self.fc_exchange, self.loss, self.jit,
-                                self.precision)
+            return ParallelPlan("owt-b" if self.scheme == AUTO else self.scheme, self.fc_batch,
+                                self.fc_exchange, self.loss, self.jit, self.precision)
 
     def validate(self) -> "RunConfig":
         """Raises ConfigError for the first invalid field; returns self when all is well."""
@@ -263,7 +264,7 @@ class RunConfig:
 
         from owt_tf.models.user import is_user_model
 
-        if self.scheme == "data" or is_user_model(self.model):
+        if self.scheme in ("data", AUTO) or is_user_model(self.model):
             return  # a user's model is checked when it is loaded (Trainer)
         for width in build_model(self.model, num_classes=2).head.hidden:
             if width % self.num_replicas:

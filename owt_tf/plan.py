@@ -34,22 +34,49 @@ import sys
 from typing import Iterable, List, Optional
 
 from owt_tf.cli import OneLineParser, device_counts
-from owt_tf.config import FC_EXCHANGES, LOSS_MODES
+from owt_tf.config import FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS, RunConfig
 from owt_tf.models.cost import NetworkCost, network_cost
 from owt_tf.models.registry import MODEL_NAMES
 from owt_tf.parallel.cost_model import (HARDWARE_NAMES, Prediction, paper_rows, plan, preset,
-                                        recommend)
+                                        rank, runner_up, train_command)
 
 
 def format_table(rows: Iterable[Prediction]) -> str:
-    head = (f"{'K':>2} {'scheme':<15} {'FC batch':>8} {'step ms':>9} {'img/s':>9} {'speedup':>7} "
-            f"{'MB/worker':>10} {'comm ms':>8} {'hidden':>7}")
+    head = (f"{'K':>2} {'scheme':<15} {'FC batch':>12} {'exchange':>8} {'loss':>8} {'step ms':>9} "
+            f"{'img/s':>9} {'speedup':>7} {'MB/worker':>10} {'comm ms':>8} {'hidden':>7}")
     lines = [head, "-" * len(head)]
     for p in rows:
-        lines.append(f"{p.devices:>2} {p.scheme:<15} {p.fc_batch:>8} {p.step_time_s * 1e3:>9.1f} "
+        split = p.scheme not in ("single", "data") and p.runnable
+        mode = f"{p.fc_batch_mode} {p.fc_batch}" if p.scheme in ("owt-b", "owt-c") else str(p.fc_batch)
+        lines.append(f"{p.devices:>2} {p.scheme:<15} {mode:>12} {p.fc_exchange if split else '-':>8} "
+                     f"{p.loss if split else '-':>8} {p.step_time_s * 1e3:>9.1f} "
                      f"{p.images_per_sec:>9.1f} {p.speedup:>7.2f} {p.bytes_per_step / 1e6:>10.3f} "
                      f"{p.communication_s * 1e3:>8.1f} {p.hidden_s * 1e3:>7.1f}")
     return "\n".join(lines)
+
+
+def format_recommendation(k: int, ranked: List[Prediction], model: str, dataset: str) -> str:
+    """The choice at K with its figures (those of its table row), the runner-up, and the
+    train command that runs the choice."""
+    best, second = ranked[0], runner_up(ranked)
+    line = f"recommend K={k}: {describe(best)}"
+    if second is not None:
+        line += f"; runner-up {describe(second)}"
+    return line + f"\n  {train_command(best, model, dataset)}"
+
+
+def _record(p: Optional[Prediction]) -> Optional[dict]:
+    return dataclasses.asdict(p) if p is not None else None
+
+
+def describe(p: Prediction) -> str:
+    """A row's configuration and its predicted figures, as in the table."""
+    what = p.scheme
+    if p.scheme in ("owt-b", "owt-c"):
+        what += f" fc-batch {p.fc_batch_mode}"
+    if p.scheme not in ("single", "data"):
+        what += f" {p.fc_exchange}/{p.loss}"
+    return f"{what} ({p.step_time_s * 1e3:.1f} ms/step, {p.speedup:.2f}x)"
 
 
 def format_layers(net: NetworkCost) -> str:
@@ -75,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m owt_tf.plan", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODEL_NAMES, default="alexnet")
+    p.add_argument("--dataset", default=RunConfig.dataset,
+                   help="the dataset --recommend's train command names (priced by --classes)")
     p.add_argument("--classes", type=_positive(int), default=1000)
     p.add_argument("--image-size", type=_positive(int), default=None)
     p.add_argument("--devices", type=device_counts, default=[1, 2, 4, 8], help="K values, e.g. 1,2,4,8")
@@ -85,11 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-bandwidth", type=_positive(float), help="bytes/s per device")
     p.add_argument("--link-bandwidth", type=_positive(float), help="bytes/s per link, one way")
     p.add_argument("--latency", type=float, help="seconds per collective launch")
-    p.add_argument("--fc-batch", choices=("worker", "global"), default="worker",
-                   help="for owt-b/c: update FC after every round (worker) or once per step")
-    p.add_argument("--fc-exchange", choices=FC_EXCHANGES, default="gather")
-    p.add_argument("--loss", choices=LOSS_MODES, default="gathered")
-    p.add_argument("--recommend", action="store_true", help="print the fastest owt_tf flags per K")
+    p.add_argument("--fc-batch", choices=FC_BATCH_MODES, default=RunConfig.fc_batch,
+                   help="for owt-b/c: update FC after every round (worker) or once per step "
+                        "(global; train's default)")
+    p.add_argument("--fc-exchange", choices=FC_EXCHANGES, default=RunConfig.fc_exchange)
+    p.add_argument("--loss", choices=LOSS_MODES, default=RunConfig.loss)
+    p.add_argument("--precision", choices=tuple(PRECISIONS), default=RunConfig.precision,
+                   help="compute precision priced: bf16/fp16 compute at the hardware's low-"
+                        "precision rate and move 2-byte activations (train's --precision)")
+    p.add_argument("--recommend", action="store_true",
+                   help="per K: the fastest owt_tf configuration (any FC batch, exchange, loss; "
+                        "added to the table when the flags above do not give it), the runner-up, "
+                        "and the train command that runs it")
     p.add_argument("--paper", action="store_true", help="compare with the paper's (docs/paper.md) Table 1 speedups")
     p.add_argument("--layers", action="store_true", help="print per-layer FLOPs and parameters")
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
@@ -112,27 +148,33 @@ def main(argv: Optional[List[str]] = None) -> int:
                  if getattr(args, f) is not None}
     if overrides:
         hw = dataclasses.replace(hw, name=hw.name + "+overrides", **overrides)
-    rows = plan(net, hw, args.devices, args.batch_size, args.fc_batch, args.fc_exchange, args.loss)
-    best = {k: recommend(net, hw, k, args.batch_size) for k in args.devices} if args.recommend else {}
+    rows = plan(net, hw, args.devices, args.batch_size, args.fc_batch, args.fc_exchange, args.loss,
+                recommended=args.recommend, precision=args.precision)
+    ranked = ({k: rank(net, hw, k, args.batch_size, precision=args.precision) for k in args.devices}
+              if args.recommend else {})
     paper = paper_rows(net, hw) if args.paper else []
     if args.json:
         records = [dict(dataclasses.asdict(p), hardware=hw.name) for p in rows]
         payload = {"records": records, "hardware": dataclasses.asdict(hw)}
-        if best:
-            payload["recommend"] = {str(k): dict(dataclasses.asdict(p), flags=p.flags) for k, p in best.items()}
+        if ranked:
+            payload["recommend"] = {
+                str(k): {"choice": dataclasses.asdict(r[0]),
+                         "runner_up": _record(runner_up(r)),
+                         "command": train_command(r[0], args.model, args.dataset)}
+                for k, r in ranked.items()}
         if paper:
             payload["paper"] = paper
-        print(json.dumps(payload if (best or paper) else records, indent=1))
+        print(json.dumps(payload if (ranked or paper) else records, indent=1))
         return 0
-    print(f"hardware: {hw.name}: {hw.flops / 1e12:.3f} TFLOP/s sustained, memory {hw.memory_bandwidth / 1e9:.0f} GB/s, "
+    print(f"hardware: {hw.name}: {hw.compute_flops(args.precision) / 1e12:.3f} TFLOP/s "
+          f"sustained ({args.precision}), memory {hw.memory_bandwidth / 1e9:.0f} GB/s, "
           f"link {hw.link_bandwidth / 1e9:.2f} GB/s ({'shared' if hw.shared_link else 'per device'}), "
           f"latency {hw.latency * 1e6:.1f} us\n  source: {hw.source}")
     if args.layers:
         print(format_layers(net))
     print(format_table(rows))
-    for k, p in best.items():
-        print(f"recommend K={k}: {p.scheme} ({p.step_time_s * 1e3:.1f} ms/step, {p.speedup:.2f}x): "
-              f"python -m owt_tf.train --model {args.model} {p.flags}")
+    for k, r in ranked.items():
+        print(format_recommendation(k, r, args.model, args.dataset))
     for r in paper:
         print(f"paper K={r['devices']} {r['batch']:<12} predicted {r['predicted']:.2f}x, "
               f"paper {r['paper']:.2f}x ({100 * r['error']:+.1f} %)")

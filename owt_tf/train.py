@@ -80,7 +80,8 @@ def run_banner(config: RunConfig) -> str:
     k = config.devices * workers
     spread = f"{config.devices} devices x {workers} workers" if workers > 1 else f"{k} devices"
     return (f"python -m owt_tf.train: {config.model} on {config.dataset} | K={k} ({spread}) | "
-            f"{config.scheme} | global batch {config.global_batch_size}\n"
+            f"{config.scheme}{' (chosen once the model is built)' if config.scheme == 'auto' else ''} | "
+            f"global batch {config.global_batch_size}\n"
             f"  writing to {config.logdir} (checkpoints, TensorBoard); watch it with: "
             f"tensorboard --logdir {config.logdir}")
 

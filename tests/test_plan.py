@@ -102,7 +102,23 @@ def test_recommend_is_the_fastest_option(alexnet):
     best = cost_model.recommend(alexnet, hw, 8, 128)
     for scheme in ("data", "owt-a", "owt-b", "owt-c"):
         assert best.step_time_s <= cost_model.predict(alexnet, hw, scheme, 8, 128).step_time_s
-    assert best.flags.startswith(f"--scheme {best.scheme} --devices 8")
+    assert best.flags.startswith(f"--devices 8 --batch-size 128 --scheme {best.scheme}")
+    ranked = cost_model.rank(alexnet, hw, 8, 128)
+    assert ranked[0] == best and ranked == sorted(ranked, key=lambda p: p.step_time_s)
+    second = cost_model.runner_up(ranked)
+    assert second.scheme != best.scheme and second.step_time_s >= best.step_time_s
+    # every runnable configuration is a candidate: 1 data + 4 owt-a + 8 owt-b + 8 owt-c
+    assert len({p.key for p in ranked}) == len(ranked) == 21
+
+
+def test_candidates_respect_what_the_model_and_batch_allow(alexnet):
+    hw = cost_model.preset("k20-pcie")
+    # 4096-wide hidden layers do not split 3 ways and 128 rows do not: data parallel only
+    assert {p.scheme for p in cost_model.rank(alexnet, hw, 3, 128)} == {"data"}
+    assert "owt-c" not in {p.scheme for p in cost_model.rank(alexnet, hw, 8, 12)}
+    only_global = cost_model.rank(alexnet, hw, 8, 128, fc_batches=("global",))
+    assert {p.fc_batch_mode for p in only_global} == {"global"}
+    assert [p.scheme for p in cost_model.rank(alexnet, hw, 1, 128)] == ["single"]
 
 
 def _run(*args, timeout=300):
@@ -122,14 +138,67 @@ def test_cli_json_records_on_measured_cpu():
     assert by[(1, "single")]["speedup"] == 1.0 and by[(1, "single")]["bytes_per_step"] == 0
     for scheme in ("data", "owt-a", "owt-b", "owt-c", "model-parallel", "async-ps", "grouped-hybrid"):
         assert by[(2, scheme)]["step_time_s"] > 0
-    assert by[(2, "owt-b")]["fc_batch"] == 8 and by[(2, "owt-a")]["fc_batch"] == 16
+    # train's default --fc-batch global: one FC update on all B*K rows
+    assert by[(2, "owt-b")]["fc_batch"] == 16 and by[(2, "owt-b")]["fc_batch_mode"] == "global"
+    assert by[(2, "owt-a")]["fc_batch"] == 16
+
+
+def test_plan_fc_batch_default_is_trains():
+    from owt_tf.config import RunConfig
+    from owt_tf.plan import build_parser
+
+    args = build_parser().parse_args([])
+    assert args.fc_batch == RunConfig().fc_batch == "global"
+    assert (args.fc_exchange, args.loss) == (RunConfig().fc_exchange, RunConfig().loss)
+    assert args.dataset == RunConfig().dataset
+
+
+def test_recommendation_is_a_table_row_and_a_runnable_command():
+    """plan --recommend: per K, the choice's and runner-up's figures are those of rows of
+    the table itself, and the printed command parses and validates as train's flags."""
+    import shlex
+
+    from owt_tf.cli import parse_config
+
+    ks = (1, 2, 4, 8)
+    proc = _run("--recommend", "--json", "--devices", ",".join(map(str, ks)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    payload = json.loads(proc.stdout)
+    rows = payload["records"]
+    for k in ks:
+        rec = payload["recommend"][str(k)]
+        for pick in (rec["choice"], rec["runner_up"]) if k > 1 else (rec["choice"],):
+            same = [r for r in rows if all(r[f] == pick[f] for f in
+                                           ("devices", "scheme", "fc_batch_mode", "fc_exchange", "loss"))]
+            assert len(same) == 1, (k, pick)
+            for field in ("step_time_s", "speedup", "images_per_sec", "bytes_per_step", "fc_batch"):
+                assert same[0][field] == pick[field], (k, field)
+        choice = rec["choice"]
+        owt_rows = [r for r in rows if r["devices"] == k and (r["scheme"] in
+                    ("data", "owt-a", "owt-b", "owt-c") or k == 1)]
+        assert choice["step_time_s"] == min(r["step_time_s"] for r in owt_rows)
+        command = shlex.split(rec["command"])
+        assert command[:3] == ["python", "-m", "owt_tf.train"]
+        config = parse_config(command[3:]).validate()
+        assert (config.scheme, config.devices) == (choice["scheme"], 1 if k == 1 else k)
+        assert config.global_batch_size == 128 * k and config.dataset == "digits"
+        if k > 1:
+            assert (config.fc_exchange, config.loss) == (choice["fc_exchange"], choice["loss"])
+            assert config.fc_batch == choice["fc_batch_mode"]
+    proc = _run("--recommend", "--devices", "8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("recommend K=8:"))
+    best = payload["recommend"]["8"]["choice"]
+    assert f"({best['step_time_s'] * 1e3:.1f} ms/step, {best['speedup']:.2f}x)" in line
+    assert payload["recommend"]["8"]["command"] in proc.stdout
 
 
 def test_cli_table_paper_and_recommend():
     proc = _run("--paper", "--recommend", "--devices", "1,8")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "paper K=8 (1024, 128)" in proc.stdout
-    assert "recommend K=8:" in proc.stdout and "python -m owt_tf.train --model alexnet --scheme" in proc.stdout
+    assert "recommend K=8:" in proc.stdout and "runner-up" in proc.stdout
+    assert "python -m owt_tf.train --model alexnet --dataset digits --devices 8" in proc.stdout
 
 
 @pytest.mark.parametrize("args,flag", [

@@ -76,29 +76,62 @@ class NetworkCost:
         return self.shape.trunk_params + self.shape.fc_params
 
 
+class Uncountable(ValueError):
+    """A trunk with a layer whose FLOPs this module cannot count (the message names it)."""
+
+
 def network_cost(model: str, num_classes: int, image_size: Optional[int] = None) -> NetworkCost:
     """Per-layer costs read off the real Keras trunk and the model's HeadSpec."""
-    spec = build_model(model, num_classes, image_size=image_size)
+    return spec_cost(build_model(model, num_classes, image_size=image_size))
+
+
+def spec_cost(spec) -> NetworkCost:
+    """Per-layer costs of a ModelSpec (a registry model's or a user's Keras model): its trunk
+    built, its head read off the HeadSpec. Raises Uncountable for a trunk layer with weights
+    that is not a Conv2D, a Dense or a normalization."""
     trunk = spec.build_trunk()
-    layers = []
-    for layer in trunk.layers:
-        out = [int(d) for d in layer.output.shape[1:]]
-        n_out = 1
-        for d in out:
-            n_out *= d
-        params = int(layer.count_params())
-        kernel = getattr(layer, "kernel", None)
-        if kernel is not None and len(kernel.shape) == 4:  # Conv2D: out_h*out_w*out_c*kh*kw*in_c MACs
-            kh, kw, cin, _ = (int(d) for d in kernel.shape)
-            layers.append(LayerCost(layer.name, "conv", 2 * n_out * kh * kw * cin, n_out, params))
-        elif kernel is not None:  # Dense in a trunk
-            layers.append(LayerCost(layer.name, "conv", 2 * int(kernel.shape[0]) * n_out, n_out, params))
-        elif layer.name != "flatten" and "pad" not in layer.name:
-            layers.append(LayerCost(layer.name, "elementwise", 0, n_out, params))
-    features = spec.trunk_output_dim(trunk)
+    return trunk_cost(trunk, spec.trunk_output_dim(trunk), spec.head)
+
+
+def trunk_cost(trunk, features: int, head) -> NetworkCost:
+    """Per-layer costs of a built Keras trunk of `features` outputs and the FC head `head`
+    (a HeadSpec)."""
+    layers = [c for c in (_layer_cost(layer) for layer in trunk.layers) if c is not None]
     fan_in = features
-    for i, width in enumerate(spec.head.widths):
+    for i, width in enumerate(head.widths):
         layers.append(LayerCost(f"fc{i + 1}", "fc", 2 * fan_in * width, width, fan_in * width + width))
         fan_in = width
-    shape = NetworkShape(trunk.count_params(), features, spec.head.hidden, spec.head.num_classes)
+    shape = NetworkShape(trunk.count_params(), features, tuple(head.hidden), head.num_classes)
     return NetworkCost(layers, shape)
+
+
+# Layers with weights whose cost is their output's memory traffic (a per-channel scale and shift).
+_NORMALIZATIONS = ("BatchNormalization", "LayerNormalization", "GroupNormalization")
+# Layers that only reshape: no compute, no memory pass of their own.
+_RESHAPES = ("Flatten", "Reshape", "ZeroPadding2D", "InputLayer")
+
+
+def _layer_cost(layer) -> Optional[LayerCost]:
+    import keras
+
+    try:
+        out = [int(d) for d in layer.output.shape[1:]]
+    except (AttributeError, ValueError, TypeError) as err:  # a layer used twice, unknown sizes
+        raise Uncountable(f"layer {layer.name}: no single output shape ({err})") from None
+    n_out = 1
+    for d in out:
+        n_out *= d
+    params = int(layer.count_params())
+    kind = type(layer).__name__
+    if isinstance(layer, keras.layers.Conv2D) and not isinstance(layer, keras.layers.Conv2DTranspose):
+        # out_h*out_w*out_c*kh*kw*in_c/groups MACs: the kernel is (kh, kw, in_c/groups, out_c)
+        kh, kw, cin, _ = (int(d) for d in layer.kernel.shape)
+        return LayerCost(layer.name, "conv", 2 * n_out * kh * kw * cin, n_out, params)
+    if isinstance(layer, keras.layers.Dense):  # a Dense in a trunk
+        return LayerCost(layer.name, "conv", 2 * int(layer.kernel.shape[0]) * n_out, n_out, params)
+    if kind in _RESHAPES or layer.name == "flatten" or "pad" in layer.name:
+        return None
+    if params and kind not in _NORMALIZATIONS:
+        raise Uncountable(f"layer {layer.name} ({kind}) has weights but is not a Conv2D, Dense "
+                          "or normalization layer")
+    return LayerCost(layer.name, "elementwise", 0, n_out, params)

@@ -26,7 +26,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from owt_tf.models.cost import NetworkCost, network_cost
-from owt_tf.parallel.plan import FC_EXCHANGES, LOSS_MODES, VALUE_BYTES
+from owt_tf.parallel.plan import FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, VALUE_BYTES
 
 # owt_tf.parallel's collectives (and with them TensorFlow) are imported inside the functions
 # that price, so that `python -m owt_tf.plan` rejects bad flags before TensorFlow loads.
@@ -112,25 +112,36 @@ HARDWARE_NAMES = ("k20-pcie", "h100-nvlink", "h200-nvlink", "cpu")
 
 def measure_cpu(devices: int) -> Hardware:
     """This machine's CPU, measured now: matmul FLOP/s, copy bandwidth, and an all-reduce
-    over `devices` logical CPU devices for the collective bandwidth and per-launch latency."""
+    over `devices` logical CPU devices for the collective bandwidth and per-launch latency
+    (none at one device, which exchanges nothing: the logical devices of a run already
+    under way cannot be added to)."""
     from owt_tf.parallel import collectives as coll
 
     from owt_tf.devices import logical_cpu_devices, make_strategy
 
     import tensorflow as tf
 
-    names = logical_cpu_devices(max(devices, 2))
+    names = logical_cpu_devices(devices)
     a = tf.random.normal([1024, 1024])
     flops = 2 * 1024 ** 3 / _best_seconds(lambda: tf.matmul(a, a).numpy())
     half = tf.cast(a, tf.bfloat16)
     bf16_flops = 2 * 1024 ** 3 / _best_seconds(lambda: tf.matmul(half, half).numpy())
     big = tf.random.normal([16 * 1024 * 1024])
     memory = 2 * 4 * big.shape[0] / _best_seconds(lambda: (big + 1.0).numpy())
-    strategy = make_strategy(names[:max(devices, 2)])
+    if devices < 2:
+        return Hardware("cpu", flops=flops, memory_bandwidth=memory, link_bandwidth=memory,
+                        latency=0.0, shared_link=True, shared_compute=True,
+                        source="measured on this machine: 1024^2 matmul, 64 MB add (one "
+                               "device: no collective to measure)")
+    strategy = make_strategy(names[:devices])
     k = strategy.num_replicas_in_sync
 
     def all_reduce_seconds(n: int) -> float:
-        x = strategy.run(lambda: tf.ones([n]))
+        @tf.function  # strategy.run called eagerly warns of its overhead
+        def ones():
+            return strategy.run(tf.ones, args=([n],))
+
+        x = ones()
 
         @tf.function
         def reduce(v):
@@ -175,20 +186,35 @@ class Prediction:
     compute_s: float
     communication_s: float
     hidden_s: float  # communication overlapped with FC compute
+    fc_batch_mode: str = "global"  # train's --fc-batch: 'worker' only for owt-b/c
+    precision: str = "fp32"  # train's --precision
+
+    @property
+    def runnable(self) -> bool:
+        """Whether owt_tf trains this configuration (the seed papers' alternatives it only prices)."""
+        return self.scheme in OWT_SCHEMES or self.scheme == "single"
+
+    @property
+    def key(self) -> tuple:
+        """What tells two rows of one K apart: the flags train would be given."""
+        return (self.scheme, self.devices, self.fc_batch_mode, self.fc_exchange, self.loss,
+                self.precision)
 
     @property
     def flags(self) -> str:
-        if self.scheme not in OWT_SCHEMES and self.scheme != "single":
+        """Train's parallel flags for this row (no model, no dataset)."""
+        if not self.runnable:
             return "(not in owt_tf)"
+        precision = "" if self.precision == "fp32" else f" --precision {self.precision}"
         if self.scheme == "single":
-            return f"--scheme single --devices 1 --batch-size {self.devices * self.batch_size}"
-        fc_batch = "worker" if self.fc_batch == self.batch_size else "global"
-        flags = f"--scheme {self.scheme} --devices {self.devices} --batch-size {self.batch_size}"
+            return (f"--devices 1 --batch-size {self.devices * self.batch_size} --scheme single"
+                    + precision)
+        flags = f"--devices {self.devices} --batch-size {self.batch_size} --scheme {self.scheme}"
         if self.scheme in ("owt-b", "owt-c"):
-            flags += f" --fc-batch {fc_batch}"
-        if self.scheme not in ("data", "single"):
+            flags += f" --fc-batch {self.fc_batch_mode}"
+        if self.scheme != "data":
             flags += f" --fc-exchange {self.fc_exchange} --loss {self.loss}"
-        return flags
+        return flags + precision
 
 
 def _memory_seconds(net: NetworkCost, examples: int, bandwidth: float, value_bytes: int = F32) -> float:
@@ -211,25 +237,30 @@ def _single_seconds(net: NetworkCost, examples: int, hw: Hardware, precision: st
             + _update_seconds(net.params, hw.memory_bandwidth))
 
 
-def _result(scheme, k, b, fc_batch, fc_exchange, loss, compute, comm, hidden, nbytes, baseline):
+def _result(scheme, k, b, fc_batch, fc_exchange, loss, compute, comm, hidden, nbytes, baseline,
+            fc_batch_mode="global", precision="fp32"):
     step = compute + comm - hidden
     return Prediction(scheme, k, b, fc_batch, fc_exchange, loss, step, k * b / step, baseline / step,
-                      float(nbytes), compute, comm, hidden)
+                      float(nbytes), compute, comm, hidden, fc_batch_mode, precision)
 
 
 def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int,
-            fc_batch: str = "worker", fc_exchange: str = "gather", loss: str = "gathered",
+            fc_batch: str = "global", fc_exchange: str = "gather", loss: str = "gathered",
             precision: str = "fp32") -> Prediction:
     """Step time of one owt_tf scheme (or `single`: one device, global batch) at K devices.
-    `precision` (--precision): the compute rate, the bytes of element-wise passes and of
-    every activation exchanged (weights and their updates stay float32)."""
+    `fc_batch` is train's --fc-batch; it matters only to owt-b and owt-c. `precision`
+    (--precision): the compute rate, the bytes of element-wise passes and of every
+    activation exchanged (weights and their updates stay float32)."""
     from owt_tf.parallel import collectives as coll, traffic
 
     b = batch_size
     flops, value_bytes = hw.compute_flops(precision), VALUE_BYTES[precision]
     baseline = _single_seconds(net, k * b, hw, precision)
     if scheme == "single" or k == 1:
-        return _result("single", k, b, k * b, fc_exchange, loss, baseline, 0.0, 0.0, 0, baseline)
+        return _result("single", k, b, k * b, "gather", "gathered", baseline, 0.0, 0.0, 0, baseline,
+                       precision=precision)
+    if scheme not in ("owt-b", "owt-c"):
+        fc_batch = "global"  # the others update the FC layers once per step whatever is asked
     share = k if hw.shared_compute else 1  # logical devices queue for the same cores
     mem = hw.memory_bandwidth / share
     conv = b * net.conv_train_flops / flops * share + _memory_seconds(net, b, mem, value_bytes)
@@ -242,7 +273,8 @@ def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int
     comm = sum(seconds.values())
     if scheme == "data":
         compute = conv + fc + trunk_update + _update_seconds(net.shape.fc_params, mem)
-        return _result(scheme, k, b, b, "gather", "gathered", compute, comm, 0.0, nbytes, baseline)
+        return _result(scheme, k, b, k * b, "gather", "gathered", compute, comm, 0.0, nbytes, baseline,
+                       precision=precision)
     rounds = k if scheme in ("owt-b", "owt-c") else 1
     per_round_fc = k * b if scheme == "owt-a" else b
     fc_updates = rounds if (fc_batch == "worker" and rounds > 1) else 1
@@ -254,10 +286,12 @@ def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int
         a = seconds[coll.ACTIVATIONS] / rounds
         f = (fc + fc_update + seconds[coll.FC_EXCHANGE] + seconds[coll.LOGITS]) / rounds
         hidden = (rounds - 1) * min(a, f)
-    return _result(scheme, k, b, per_round_fc, fc_exchange, loss, compute, comm, hidden, nbytes, baseline)
+    return _result(scheme, k, b, b if fc_updates > 1 else per_round_fc * rounds, fc_exchange, loss,
+                   compute, comm, hidden, nbytes, baseline, fc_batch if rounds > 1 else "global",
+                   precision)
 
 
-def _model_parallel_exchange(net: NetworkCost, g: int, rows: int) -> tuple:
+def _model_parallel_exchange(net: NetworkCost, g: int, rows: int, value_bytes: int = F32) -> tuple:
     """Bytes and launches per device to split every layer over g devices by output channels:
     the input of every weight layer after the first is all-gathered forward and its gradient
     reduce-scattered backward (rows examples), and so are the logits for the loss."""
@@ -266,7 +300,7 @@ def _model_parallel_exchange(net: NetworkCost, g: int, rows: int) -> tuple:
     boundaries = _pooled_boundaries(net) + [l.outputs for l in net.layers if l.kind == "fc"]
     nbytes, calls = 0, 0
     for floats in boundaries:
-        block = rows * floats * F32
+        block = rows * floats * value_bytes
         nbytes += coll.all_gather_cost(block // g, g) + coll.reduce_scatter_cost(block, g)
         calls += 2
     return nbytes, calls
@@ -288,65 +322,129 @@ def _pooled_boundaries(net: NetworkCost) -> List[int]:
     return sizes
 
 
-def predict_alternative(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int) -> Prediction:
-    """The seed papers' alternatives at K devices and the same global batch B*K."""
+def predict_alternative(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int,
+                        precision: str = "fp32") -> Prediction:
+    """The seed papers' alternatives at K devices and the same global batch B*K, computing
+    in `precision` (activations in its bytes; weights and gradients float32)."""
     from owt_tf.parallel import collectives as coll
 
     b = batch_size
-    baseline = _single_seconds(net, k * b, hw)
+    value_bytes = VALUE_BYTES[precision]
+    baseline = _single_seconds(net, k * b, hw, precision)
     share = k if hw.shared_compute else 1
     mem = hw.memory_bandwidth / share
-    work = b * net.train_flops / hw.flops * share + _memory_seconds(net, b, mem)
+    work = (b * net.train_flops / hw.compute_flops(precision) * share
+            + _memory_seconds(net, b, mem, value_bytes))
     if scheme == "model-parallel":
-        nbytes, calls = _model_parallel_exchange(net, k, k * b)
+        nbytes, calls = _model_parallel_exchange(net, k, k * b, value_bytes)
         compute = work + _update_seconds(net.params / k, mem)
         comm = _link_seconds(nbytes, calls, k, hw)
-        return _result(scheme, k, b, k * b, "-", "-", compute, comm, 0.0, nbytes, baseline)
+        return _result(scheme, k, b, k * b, "-", "-", compute, comm, 0.0, nbytes, baseline,
+                       precision=precision)
     if scheme == "async-ps":
         # parameters sharded over the K devices: push gradients to, pull weights from each shard
         nbytes = coll.all_reduce_cost(net.params * F32, k)
         compute = work + _update_seconds(net.params, mem)
         comm = _link_seconds(nbytes, 2, k, hw)
-        return _result(scheme, k, b, b, "-", "-", compute, comm, min(comm, compute), nbytes, baseline)
+        return _result(scheme, k, b, b, "-", "-", compute, comm, min(comm, compute), nbytes, baseline,
+                       precision=precision)
     if scheme == "grouped-hybrid":
         g = min(GROUP, k)
         groups = k // g
-        mp_bytes, mp_calls = _model_parallel_exchange(net, g, g * b)
+        mp_bytes, mp_calls = _model_parallel_exchange(net, g, g * b, value_bytes)
         dp_bytes = coll.all_reduce_cost(net.params // g * F32, groups) if groups > 1 else 0
         nbytes = mp_bytes + dp_bytes
         compute = work + _update_seconds(net.params / g, mem)
         comm = _link_seconds(nbytes, mp_calls + (1 if groups > 1 else 0), k, hw)
-        return _result(scheme, k, b, g * b, "-", "-", compute, comm, 0.0, nbytes, baseline)
+        return _result(scheme, k, b, g * b, "-", "-", compute, comm, 0.0, nbytes, baseline,
+                       precision=precision)
     raise ValueError(f"unknown alternative {scheme!r}")
 
 
 def plan(net: NetworkCost, hw: Hardware, devices: Sequence[int], batch_size: int,
-         fc_batch: str = "worker", fc_exchange: str = "gather", loss: str = "gathered",
-         alternatives: bool = True) -> List[Prediction]:
-    """Every scheme (and alternative) at every K, in table order."""
+         fc_batch: str = "global", fc_exchange: str = "gather", loss: str = "gathered",
+         alternatives: bool = True, recommended: bool = False,
+         precision: str = "fp32") -> List[Prediction]:
+    """Every scheme (and alternative) at every K, in table order. `recommended`: the choice
+    and runner-up of `rank` at each K are rows too (after that K's owt_tf rows, where the
+    flags asked for do not already give them), so that a recommendation is always one of
+    the table's rows."""
     rows = []
     for k in devices:
-        rows.append(predict(net, hw, "single", k, batch_size))
-        if k == 1:
-            continue
-        for scheme in OWT_SCHEMES:
-            rows.append(predict(net, hw, scheme, k, batch_size, fc_batch, fc_exchange, loss))
-        if alternatives:
-            rows += [predict_alternative(net, hw, s, k, batch_size) for s in ALTERNATIVES]
+        own = [predict(net, hw, "single", k, batch_size, precision=precision)]
+        if k > 1:
+            own += [predict(net, hw, scheme, k, batch_size, fc_batch, fc_exchange, loss, precision)
+                    for scheme in OWT_SCHEMES if _fits(scheme, k, batch_size)]
+        if recommended:
+            keys = {p.key for p in own}
+            ranked = rank(net, hw, k, batch_size, precision=precision)
+            best = [ranked[0], runner_up(ranked)]
+            own += [p for p in best if p is not None and p.key not in keys]
+        rows += own
+        if alternatives and k > 1:
+            rows += [predict_alternative(net, hw, s, k, batch_size, precision) for s in ALTERNATIVES]
     return rows
+
+
+def _fits(scheme: str, k: int, batch_size: int, hidden: Sequence[int] = ()) -> bool:
+    """Whether owt_tf can run `scheme` at K: owt-c splits the batch K ways; every model-parallel
+    scheme splits the hidden FC widths K ways."""
+    if scheme == "owt-c" and batch_size % k:
+        return False
+    return scheme == "data" or all(w % k == 0 for w in hidden)
+
+
+def candidates(net: NetworkCost, hw: Hardware, k: int, batch_size: int,
+               fc_batches: Sequence[str] = FC_BATCH_MODES,
+               schemes: Sequence[str] = OWT_SCHEMES, precision: str = "fp32") -> List[Prediction]:
+    """Every owt_tf configuration that runs at K, priced by `predict` (the function that makes
+    `plan`'s rows): `schemes` with every FC exchange and loss, and every FC batch mode of
+    `fc_batches` that the scheme has ('worker' only for owt-b/c), in `precision`. At K = 1:
+    `single` alone."""
+    if k == 1:
+        return [predict(net, hw, "single", 1, batch_size, precision=precision)]
+    options = []
+    for scheme in schemes:
+        if not _fits(scheme, k, batch_size, net.shape.hidden):
+            continue
+        if scheme == "data":
+            options.append(predict(net, hw, scheme, k, batch_size, precision=precision))
+            continue
+        modes = [m for m in fc_batches if m == "global" or scheme in ("owt-b", "owt-c")]
+        for mode in modes:
+            for exchange in FC_EXCHANGES:
+                for loss in LOSS_MODES:
+                    options.append(predict(net, hw, scheme, k, batch_size, mode, exchange, loss,
+                                           precision))
+    return options
+
+
+def rank(net: NetworkCost, hw: Hardware, k: int, batch_size: int,
+         fc_batches: Sequence[str] = FC_BATCH_MODES,
+         schemes: Sequence[str] = OWT_SCHEMES, precision: str = "fp32") -> List[Prediction]:
+    """`candidates`, fastest first (ties keep the candidates' order: scheme, FC batch,
+    exchange, loss). `plan --recommend` and `--scheme auto` both read this list: the first
+    is the choice, `runner_up` the next best."""
+    return sorted(candidates(net, hw, k, batch_size, fc_batches, schemes, precision),
+                  key=lambda p: p.step_time_s)
+
+
+def runner_up(ranked: Sequence[Prediction]) -> Optional[Prediction]:
+    """The fastest row of `rank` under another scheme than the choice (the same scheme with
+    another exchange or loss is often a tie, which says nothing), else the second row; None
+    when the choice is alone (K = 1)."""
+    others = [p for p in ranked[1:] if p.scheme != ranked[0].scheme]
+    return others[0] if others else (ranked[1] if len(ranked) > 1 else None)
 
 
 def recommend(net: NetworkCost, hw: Hardware, k: int, batch_size: int) -> Prediction:
     """The fastest owt_tf configuration at K devices: scheme, FC batch, exchange and loss."""
-    options = [predict(net, hw, "single", k, batch_size)]
-    for scheme in OWT_SCHEMES:
-        fc_batches = ("worker", "global") if scheme in ("owt-b", "owt-c") else ("global",)
-        for fb in fc_batches:
-            for x in FC_EXCHANGES:
-                for loss in LOSS_MODES:
-                    if k > 1 and (scheme != "owt-c" or batch_size % k == 0):
-                        options.append(predict(net, hw, scheme, k, batch_size, fb, x, loss))
-    return min(options, key=lambda p: p.step_time_s)
+    return rank(net, hw, k, batch_size)[0]
+
+
+def train_command(p: Prediction, model: str, dataset: str) -> str:
+    """The `python -m owt_tf.train` command line that runs the configuration of row `p`."""
+    return f"python -m owt_tf.train --model {model} --dataset {dataset} {p.flags}"
 
 
 def paper_rows(net: NetworkCost, hw: Hardware) -> List[Dict[str, object]]:

@@ -36,7 +36,7 @@ from owt_tf.devices import outside_strategy_scope
 from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel import keras_data
-from owt_tf.parallel.plan import PlanError
+from owt_tf.parallel.plan import AUTO, PlanError
 from owt_tf.parallel.shards import ShardedHead
 from owt_tf.parallel.step import replica_logits, replica_train_step
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
@@ -60,11 +60,13 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
     if hybrid is None:
         raise ValueError("owt_tf.parallelize needs a HybridStrategy: call it inside "
                          "`with strategy.scope():` or pass strategy=")
+    # Outside the scope: the split works on a throwaway clone, which needs no mirrored copy.
+    split = outside_strategy_scope(lambda: split_keras_model(model))
+    if hybrid.scheme == AUTO:
+        print(_choose_scheme(hybrid, split, model.name).line, flush=True)
     if not hybrid.model_parallel:
         raise UnsupportedModel("scheme 'data' shards nothing: train the model with "
                                "tf.distribute.MirroredStrategy and plain Keras instead")
-    # Outside the scope: the split works on a throwaway clone, which needs no mirrored copy.
-    split = outside_strategy_scope(lambda: split_keras_model(model))
     source = keras.saving.serialize_keras_object(model)
     try:  # refused now, not at the first save after training (Keras consumes the dict: a copy)
         outside_strategy_scope(
@@ -83,6 +85,20 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
         seed = int(np.random.default_rng().integers(2**31 - 1))
     with hybrid.scope():
         return ParallelModel(hybrid, split, source, seed)
+
+
+def _choose_scheme(hybrid: HybridStrategy, split: KerasSplit, name: str):
+    """`scheme="auto"` resolved for this model: the planner's fastest of the schemes that
+    shard the head (parallelize refuses 'data'); a trunk the cost model cannot count gets
+    the fallback, with the reason."""
+    from owt_tf.models.cost import Uncountable, trunk_cost
+
+    features = int(np.prod(split.trunk.output_shape[1:]))
+    try:
+        net, note = trunk_cost(split.trunk, features, split.head), ""
+    except Uncountable as err:
+        net, note = None, f"the cost model cannot count model {name}: {err}"
+    return hybrid.choose_scheme(net, split.head.hidden, ("owt-a", "owt-b", "owt-c"), note)
 
 
 class _ShardOptimizers:

@@ -28,6 +28,9 @@ class Scheme(str, enum.Enum):
 
 
 SCHEMES = tuple(s.value for s in Scheme)
+# Not a scheme but a request for one: the planner picks scheme, FC exchange and loss once the
+# model and the hardware are known (owt_tf.parallel.auto).
+AUTO = "auto"
 FC_BATCH_MODES = ("global", "worker")
 FC_EXCHANGES = ("gather", "colrow")
 LOSS_MODES = ("gathered", "sharded")

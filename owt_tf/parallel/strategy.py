@@ -34,7 +34,10 @@ from owt_tf.devices import (make_multiworker_strategy, make_strategy, outside_st
                             replica_devices)
 from owt_tf.models.spec import ModelSpec
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.plan import ParallelPlan
+from owt_tf.models.cost import NetworkCost
+from owt_tf.parallel.auto import DEFAULT_BATCH, AutoChoice, choose, run_hardware
+from owt_tf.parallel.cost_model import OWT_SCHEMES
+from owt_tf.parallel.plan import AUTO, ParallelPlan, PlanError
 from owt_tf.parallel.precision import keras_policy
 from owt_tf.parallel.schemes import SchemePlan
 from owt_tf.parallel.shards import ShardedHead, ShardReader, assemble, read_local_shards
@@ -83,13 +86,30 @@ class HybridStrategy:
     process's device names. With a `cluster` of several workers, every worker passes its
     own D devices and the run has W * D replicas. `batch_size` (per replica) is needed only
     by the CLI's loop, which knows it up front; Keras' `fit` takes it from the data.
+
+    `scheme="auto"`: the scheme, `fc_exchange` and `loss` are left to the planner
+    (owt_tf.parallel.auto) and chosen by `choose_scheme` when the model is known: by
+    `owt_tf.parallelize(model)`, the first place where both the model and K are known (the
+    strategy is built before the model, inside whose scope the model is made), and by the
+    CLI's Trainer once its model is built. `fc_exchange` and `loss` given with it are then
+    ignored; `fc_batch` and `jit` are kept. One process only: the workers of a cluster
+    could measure different hardware and pick different schemes.
     """
 
     def __init__(self, devices: Union[int, Sequence[str]] = 2, scheme: str = "owt-b",
                  batch_size: Optional[int] = None, fc_batch: str = "global",
                  fc_exchange: str = "gather", loss: str = "gathered", jit: bool = False,
                  cluster: Optional[Cluster] = None, precision: str = "fp32"):
-        self.parallel_plan = ParallelPlan(scheme, fc_batch, fc_exchange, loss, jit, precision)
+        auto = str(scheme) == AUTO
+        if auto and cluster is not None and cluster.num_workers > 1:
+            raise PlanError("scheme", "'auto' needs one process: each worker of a cluster "
+                            "would price its own hardware; give the scheme")
+        # Until choose_scheme: owt-b's plan checks the flags auto keeps (fc_batch, jit).
+        self.parallel_plan = ParallelPlan("owt-b" if auto else scheme, fc_batch, fc_exchange,
+                                          loss, jit, precision)
+        self.auto_choice: Optional[AutoChoice] = None
+        self._pending_auto = auto
+        self._batch_size = batch_size
         if isinstance(devices, int):
             self.parallel_plan.check_devices(devices)
             from owt_tf.devices import setup_devices
@@ -110,7 +130,7 @@ class HybridStrategy:
             self.worker_id = self.cluster.worker_id
         # The rounds of a step at the CLI's fixed batch size (Keras: per batch shape).
         self.plan: Optional[SchemePlan] = (
-            self.parallel_plan.rounds(num_replicas, batch_size) if batch_size else None)
+            self.parallel_plan.rounds(num_replicas, batch_size) if batch_size and not auto else None)
         self.fc_exchange = fc_exchange
         self.loss = loss
         self.jit = jit
@@ -118,6 +138,35 @@ class HybridStrategy:
         self._compiled_gathers: Dict[tuple, tf.types.experimental.GenericFunction] = {}
         self._compiled_sums: Dict[int, tf.types.experimental.GenericFunction] = {}
         self.ledger = coll.TrafficLedger()
+
+    def choose_scheme(self, net: Optional[NetworkCost], hidden: Sequence[int] = (),
+                      schemes: Sequence[str] = OWT_SCHEMES, note: str = "") -> AutoChoice:
+        """Resolves `scheme="auto"` for a model of cost `net` (None: one the cost model
+        cannot count, `note` says why; `hidden`: its hidden FC widths) on this process's
+        hardware: the planner's fastest of `schemes` at this K and batch (DEFAULT_BATCH per
+        replica when none was given). Sets the strategy's plan and returns the choice."""
+        if not self._pending_auto:
+            raise PlanError("scheme", f"already {self.scheme}: choose_scheme resolves 'auto' once")
+        hw = run_hardware(self.local_devices)
+        batch = self._batch_size or DEFAULT_BATCH
+        choice = choose(net, hw, self.num_replicas, batch, self.parallel_plan.fc_batch,
+                        schemes, hidden, note, self.parallel_plan.precision)
+        fc_batch = self.parallel_plan.fc_batch if choice.scheme in ("owt-b", "owt-c") else "global"
+        self.parallel_plan = ParallelPlan(choice.scheme, fc_batch, choice.fc_exchange,
+                                          choice.loss, self.jit, self.parallel_plan.precision)
+        self.parallel_plan.check_devices(self.num_replicas)
+        if self._batch_size is not None:
+            self.parallel_plan.check_batch(self.num_replicas, self._batch_size)
+            self.plan = self.parallel_plan.rounds(self.num_replicas, self._batch_size)
+        self.fc_exchange, self.loss = choice.fc_exchange, choice.loss
+        self._pending_auto = False
+        self.auto_choice = choice
+        return choice
+
+    def _check_chosen(self) -> None:
+        if self._pending_auto:
+            raise PlanError("scheme", "'auto' is chosen once the model is known: call "
+                            "owt_tf.parallelize(model) (or choose_scheme) first")
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["HybridStrategy"]:
@@ -132,14 +181,16 @@ class HybridStrategy:
 
     @property
     def scheme(self) -> str:
-        return str(self.parallel_plan.scheme)
+        return AUTO if self._pending_auto else str(self.parallel_plan.scheme)
 
     @property
     def model_parallel(self) -> bool:
+        self._check_chosen()
         return self.parallel_plan.model_parallel
 
     def scheme_plan(self, batch_size: int) -> SchemePlan:
         """The rounds of a step whose replicas hold `batch_size` rows each."""
+        self._check_chosen()
         return self.parallel_plan.rounds(self.num_replicas, batch_size)
 
     @property

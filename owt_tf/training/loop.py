@@ -21,7 +21,7 @@ from owt_tf.data.datasets import DatasetError, StreamDataset, load_dataset
 from owt_tf.data.stats import settle_normalisation
 from owt_tf.devices import DeviceError, setup_devices
 from owt_tf.models import build_model
-from owt_tf.parallel.plan import PlanError
+from owt_tf.parallel.plan import AUTO, PlanError
 from owt_tf.parallel.precision import DynamicLossScale
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import CONFIG_FILE, RunCheckpoints
@@ -120,10 +120,14 @@ class Trainer:
         except DeviceError as err:
             raise ConfigError("--devices", str(err)) from None
         # First: a cluster's strategy configures collectives, which must precede any op.
-        self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
-                                     config.fc_batch, config.fc_exchange, config.loss,
-                                     jit=config.jit, cluster=config.resolved_cluster(),
-                                     precision=config.precision)
+        # Under --scheme auto the plan is chosen below, once the model is known.
+        try:
+            self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
+                                         config.fc_batch, config.fc_exchange, config.loss,
+                                         jit=config.jit, cluster=config.resolved_cluster(),
+                                         precision=config.precision)
+        except PlanError as err:
+            raise ConfigError("--" + err.field.replace("_", "-"), str(err).split(": ", 1)[1]) from None
         probe = _model_spec(config, None)
         self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed,
                                     data_dir=config.data_dir, download=config.download,
@@ -132,6 +136,8 @@ class Trainer:
             self.dataset, self.logdir, writer=self.rundir is not None,
             started_before=os.path.exists(os.path.join(self.logdir, CONFIG_FILE)))
         self.spec = _model_spec(config, self.dataset.num_classes)
+        if self.hybrid.scheme == AUTO:
+            self.config = config = self._choose_scheme(config)
         try:
             self.hybrid.parallel_plan.check_widths(self.spec.head.hidden, self.hybrid.num_replicas,
                                                    self.spec.head.names[:-1] or None)
@@ -193,6 +199,22 @@ class Trainer:
             return self.hybrid.distribute_own_rows(rows)
         train = self.dataset.train(config.global_batch_size, config.seed, start=start)
         return self.hybrid.distribute_batches(train)
+
+    def _choose_scheme(self, config: RunConfig) -> RunConfig:
+        """--scheme auto: the planner's choice for this model, K, batch and hardware (one
+        line says what and why); the config from here on, run_config.json included, names
+        the scheme chosen, so that a resumed or evaluated run sees a concrete one."""
+        from owt_tf.models.cost import Uncountable, spec_cost
+
+        try:
+            net, note = spec_cost(self.spec), ""
+        except Uncountable as err:
+            net, note = None, f"the cost model cannot count model {config.model}: {err}"
+        choice = self.hybrid.choose_scheme(net, self.spec.head.hidden, note=note)
+        print(choice.line, flush=True)
+        return config.replace(scheme=choice.scheme, fc_exchange=choice.fc_exchange,
+                              loss=choice.loss,
+                              fc_batch=self.hybrid.parallel_plan.fc_batch).validate()
 
     def _state_variables(self) -> List[tf.Variable]:
         """Every variable a step changes except the step counter: weights and optimizer state."""
