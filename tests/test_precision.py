@@ -224,3 +224,41 @@ def test_bf16_trains_the_demo_to_the_fp32_error_within_a_point(devices, tmp_path
         errors[precision] = summary["val_top1_error"]
     assert errors["fp32"] < 0.03
     assert abs(errors["bf16"] - errors["fp32"]) <= 0.01, errors
+
+
+def test_a_bf16_run_exports_a_float32_serving_graph(devices, tmp_path):
+    """The SavedModel of a bf16 run computes in float32 (TFLite's builtins and ONNX runtimes
+    have no bfloat16 path); its predictions equal the bf16 model's to bf16 accuracy."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import saved_model_pb2
+    from tensorflow.core.framework import types_pb2
+
+    from owt_tf.config import RunConfig
+    from owt_tf.training.loop import Trainer
+
+    config = RunConfig(devices=2, batch_size=8, steps=2, eval_every=0, precision="bf16",
+                       histogram_every=0, logdir=str(tmp_path / "run"),
+                       export_dir=str(tmp_path / "models"))
+    trainer = Trainer(config, devices=devices[:2])
+    trainer.fit(log=lambda line: None, progress=False)
+    export = tmp_path / "models" / "1"
+    proto = saved_model_pb2.SavedModel()
+    proto.ParseFromString((export / "saved_model.pb").read_bytes())
+    graph = proto.meta_graphs[0].graph_def
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    dtypes = {v.type for n in nodes for v in n.attr.values()}
+    assert types_pb2.DT_FLOAT in dtypes and types_pb2.DT_BFLOAT16 not in dtypes
+    images = np.asarray(trainer.dataset.sample_images(8))
+    served = tf.saved_model.load(str(export)).signatures["serving_default"](
+        images=tf.constant(images))["probabilities"].numpy()
+    assert np.allclose(served.sum(axis=1), 1.0, atol=1e-5)
+    low = trainer._predict_fn(trainer.hybrid.distribute_global_batch(_eval_input(trainer, images)))
+    assert np.max(np.abs(served - tf.nn.softmax(low).numpy())) < 0.05
+
+
+def _eval_input(trainer, images):
+    from owt_tf.data.preprocess import eval_preprocess
+
+    h, w, _ = trainer.spec.input_shape
+    x = eval_preprocess(images, (h, w), trainer.dataset.mean, trainer.dataset.std)
+    return x.numpy()

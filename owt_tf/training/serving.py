@@ -67,7 +67,8 @@ def latest_version(path: str) -> str:
 def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
                           class_names: Optional[Sequence[str]] = None):
     """A `keras.export.ExportArchive` of `model` on one device: the trunk cloned, the FC layers
-    as a one-shard ShardedHead (the same forward pass training and evaluation run).
+    as a one-shard ShardedHead (the same forward pass training and evaluation run), both in
+    float32 whatever the training precision (`float32_clone`).
 
     Keras' own archive, not `tf.saved_model.save` of a module holding the trunk: the latter
     stores each Keras 3 variable twice (read by the function under its Keras path, restored
@@ -77,8 +78,7 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
     as uninitialised variables and returns NaN.
     """
     spec = model.spec
-    trunk = keras.models.clone_model(model.trunk)
-    trunk.set_weights(model.trunk.get_weights())
+    trunk = float32_clone(model.trunk)
     head = ShardedHead(spec.head, model.full_weights()["head"], [None])
     height, width, channels = spec.input_shape
     classes = spec.head.num_classes
@@ -104,6 +104,19 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
     archive.add_endpoint(EXPORT_SIGNATURE, serve, input_signature=[
         tf.TensorSpec([None, None, None, channels], tf.uint8, name="images")])
     return archive
+
+
+def float32_clone(trunk: keras.Model) -> keras.Model:
+    """A copy of `trunk` whose layers compute in float32, whatever policy it trained under
+    (--precision bf16/fp16, a mixed_bfloat16 Keras model): an export is served where
+    bfloat16 may have no kernel (TFLite's builtins, ONNX runtimes, CPUs without it), and its
+    weights are the float32 masters anyway."""
+    def as_float32(layer):
+        return layer.__class__.from_config({**layer.get_config(), "dtype": "float32"})
+
+    copy = keras.models.clone_model(trunk, clone_function=as_float32)
+    copy.set_weights(trunk.get_weights())
+    return copy
 
 
 def _make_readable(path: str, files: bool = True) -> None:
