@@ -12,7 +12,7 @@ from reference import rel_err
 
 
 def _fit(devices, config, steps):
-    trainer = Trainer(config, devices=devices[:config.devices])
+    trainer = Trainer(config, devices=devices[:config.parallel.devices])
     trainer.fit(steps=steps, log=lambda line: None, progress=False)
     return trainer
 
@@ -26,8 +26,8 @@ def _assert_same_weights(a, b, tol=1e-5):
 
 def test_resume_equals_training_in_one_go(devices, tmp_path):
     """Dropout on: its masks are seeded by the step, so they are restored with it."""
-    base = RunConfig(scheme="owt-b", devices=2, batch_size=8, fc_batch="worker", steps=12,
-                     eval_every=0, checkpoint_every=0, seed=3)
+    base = RunConfig.from_flags(scheme="owt-b", devices=2, batch_size=8, fc_batch="worker", steps=12,
+                                eval_every=0, checkpoint_every=0, seed=3)
     whole = _fit(devices, base.replace(logdir=str(tmp_path / "whole")), 12)
     split_dir = str(tmp_path / "split")
     first = _fit(devices, base.replace(logdir=split_dir), 6)
@@ -42,12 +42,12 @@ def test_saved_at_four_devices_resumes_at_two(devices, tmp_path):
     """FC shards and momenta are saved whole and re-split; fc_batch=global, same global batch."""
     common = dict(fc_batch="global", lr=0.01, lr_scaling="none", dropout=0.0, eval_every=0,
                   checkpoint_every=0, seed=4, steps=8)
-    k4 = RunConfig(scheme="owt-a", devices=4, batch_size=4, **common)
+    k4 = RunConfig.from_flags(scheme="owt-a", devices=4, batch_size=4, **common)
     never_stopped = _fit(devices, k4.replace(logdir=str(tmp_path / "k4")), 8)
     moved = str(tmp_path / "moved")
     _fit(devices, k4.replace(logdir=moved), 4)
-    at_two = _fit(devices, RunConfig(scheme="owt-c", devices=2, batch_size=8, logdir=moved,
-                                     **common), 8)
+    at_two = _fit(devices, RunConfig.from_flags(scheme="owt-c", devices=2, batch_size=8, logdir=moved,
+                                                **common), 8)
     assert at_two.resumed_from.endswith("ckpt-4")
     _assert_same_weights(at_two.model.full_weights(), never_stopped.model.full_weights())
 
@@ -86,7 +86,7 @@ def test_resumed_at_another_k_with_the_same_global_batch_keeps_its_rates(tmp_pat
 
 def test_logdir_of_another_model_is_refused_and_kept(devices, tmp_path):
     logdir = tmp_path / "run"
-    _fit(devices, RunConfig(steps=2, eval_every=0, logdir=str(logdir), devices=2, batch_size=8), 2)
+    _fit(devices, RunConfig.from_flags(steps=2, eval_every=0, logdir=str(logdir), devices=2, batch_size=8), 2)
     before = sorted(os.listdir(logdir / "checkpoints"))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run([sys.executable, "-m", "owt_tf.train", "--model", "alexnet",

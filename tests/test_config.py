@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from owt_tf.config import PRESETS, ConfigError, RunConfig
+from owt_tf.config import ConfigError, RunConfig, imagenet_paper
 
 BAD = [
     (dict(scheme="owt-d"), "--scheme"),
@@ -39,20 +39,20 @@ BAD = [
 @pytest.mark.parametrize("changes,flag", BAD, ids=[f for _, f in BAD])
 def test_invalid_config_names_the_flag(changes, flag):
     with pytest.raises(ConfigError) as err:
-        RunConfig(**changes).validate()
+        RunConfig.from_flags(**changes).validate()
     assert err.value.flag == flag
     assert str(err.value).startswith(flag)
 
 
 def test_fc_width_not_divisible_by_devices():
     with pytest.raises(ConfigError, match="FC width 256 is not divisible by 3"):
-        RunConfig(devices=3, scheme="owt-a").validate()
-    RunConfig(devices=3, scheme="data").validate()  # mirrored FC layers are not split
-    RunConfig(devices=4, scheme="owt-b").validate()  # 10 classes over 4: padded, allowed
+        RunConfig.from_flags(devices=3, scheme="owt-a").validate()
+    RunConfig.from_flags(devices=3, scheme="data").validate()  # mirrored FC layers are not split
+    RunConfig.from_flags(devices=4, scheme="owt-b").validate()  # 10 classes over 4: padded, allowed
 
 
 def test_learning_rates_follow_the_batch():
-    c = RunConfig(lr=0.01, lr_batch=32, batch_size=32, devices=4, scheme="owt-b", lr_scaling="linear")
+    c = RunConfig.from_flags(lr=0.01, lr_batch=32, batch_size=32, devices=4, scheme="owt-b", lr_scaling="linear")
     assert c.conv_lr == pytest.approx(0.04) and c.fc_lr == pytest.approx(0.04)
     w = c.replace(fc_batch="worker")  # FC batch 32: the rate for 32
     assert w.conv_lr == pytest.approx(0.04) and w.fc_lr == pytest.approx(0.01)
@@ -63,14 +63,14 @@ def test_learning_rates_follow_the_batch():
 
 @pytest.mark.parametrize("devices,batch_size", [(1, 64), (2, 32), (4, 16), (8, 8)])
 def test_the_same_global_batch_gives_the_same_rates_at_any_k(devices, batch_size):
-    c = RunConfig(lr=0.04, lr_batch=128, devices=devices, batch_size=batch_size, fc_batch="global")
+    c = RunConfig.from_flags(lr=0.04, lr_batch=128, devices=devices, batch_size=batch_size, fc_batch="global")
     assert c.conv_lr == pytest.approx(0.02) and c.fc_lr == pytest.approx(0.02)
 
 
 def test_the_paper_preset_keeps_the_papers_rates():
     # 0.01 for 128 per worker: conv rate x K on the 128K batch, FC rate 0.01 on its 128
     for k in (1, 2, 8):
-        c = RunConfig(**PRESETS["imagenet-paper"]).replace(devices=k)
+        c = imagenet_paper().replace(devices=k)
         assert c.conv_lr == pytest.approx(0.01 * k) and c.fc_lr == pytest.approx(0.01)
 
 

@@ -58,8 +58,8 @@ def test_keras_file_keeps_its_weights(devices, tmp_path, user_module):
     model = user_module.build(10)
     path = str(tmp_path / "user.keras")
     model.save(path)
-    trainer = Trainer(RunConfig(model=path, devices=4, batch_size=8, scheme="owt-c",
-                                steps=1, eval_every=0, logdir=str(tmp_path / "run")),
+    trainer = Trainer(RunConfig.from_flags(model=path, devices=4, batch_size=8, scheme="owt-c",
+                                           steps=1, eval_every=0, logdir=str(tmp_path / "run")),
                       devices=devices[:4])
     got = trainer.model.full_weights()
     want = model.get_weights()
@@ -92,11 +92,11 @@ def test_cli_trains_resumes_at_another_k_and_exports(tmp_path, user_module):
 
 def test_refused_user_models_are_one_line_flag_errors(devices, tmp_path, user_module):
     with pytest.raises(ConfigError, match="fc_tanh"):
-        Trainer(RunConfig(model="user_models:tanh_head", devices=2, steps=1, eval_every=0,
-                          logdir=str(tmp_path / "a")), devices=devices[:2])
+        Trainer(RunConfig.from_flags(model="user_models:tanh_head", devices=2, steps=1, eval_every=0,
+                                     logdir=str(tmp_path / "a")), devices=devices[:2])
     with pytest.raises(ConfigError, match="fc1: width 32 is not divisible by 3"):
-        Trainer(RunConfig(model="user_models:build", devices=3, batch_size=3, steps=1,
-                          eval_every=0, logdir=str(tmp_path / "b")), devices=devices[:3])
+        Trainer(RunConfig.from_flags(model="user_models:build", devices=3, batch_size=3, steps=1,
+                                     eval_every=0, logdir=str(tmp_path / "b")), devices=devices[:3])
     missing = _cli(["owt_tf.train", "--model", str(tmp_path / "none.keras")], tmp_path,
                    str(tmp_path))
     assert missing.returncode == 2
