@@ -482,7 +482,7 @@ def demo() -> RunConfig:
 
 
 def imagenet_paper() -> RunConfig:
-    """Krizhevsky 2014 / cuda-convnet2: 128 per worker, FC batch 128 (K FC updates per conv
+    """Krizhevsky 2014 / cuda-convnet2: 128 per replica, FC batch 128 (K FC updates per conv
     update), 0.01 for a batch of 128: the conv rate (batch 128K) scaled by K, the FC rate
     (batch 128) unscaled; momentum 0.9, weight decay 5e-4, 90 epochs, rates / 10 at epochs
     30, 60 and 80."""

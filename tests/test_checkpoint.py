@@ -96,3 +96,46 @@ def test_logdir_of_another_model_is_refused_and_kept(devices, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "owt_tf.train: error" in line]
     assert len(errors) == 1 and "--logdir" in errors[0] and "alexnet_tiny" in errors[0]
     assert sorted(os.listdir(logdir / "checkpoints")) == before
+
+
+# run_config.json as versions before the config sections wrote it: every flag at the top
+# level (--lr-decay-epochs and --profile-steps as typed), the checkpoints' identity beside them.
+OLD_FLAT_RUN_CONFIG = {
+    "model": "alexnet_tiny", "dataset": "digits", "data_dir": None, "manual_dir": None,
+    "download": False, "augment": "auto", "devices": 2, "scheme": "owt-b", "batch_size": 8,
+    "fc_batch": "global", "fc_exchange": "gather", "loss": "gathered", "steps": 2,
+    "epochs": None, "lr": 0.02, "lr_batch": 128, "lr_scaling": "linear",
+    "lr_schedule": "step", "lr_decay_epochs": "10,20", "warmup_epochs": 0.0, "momentum": 0.9,
+    "weight_decay": 5e-4, "dropout": 0.25, "seed": 5, "eval_every": 0, "jit": False,
+    "logdir": None, "checkpoint_every": 200, "export_dir": None, "log_every": 10,
+    "histogram_every": 200, "profile_steps": "1:2", "device_type": "auto",
+    "deterministic": False, "skip_nonfinite": 0, "cluster": "127.0.0.1:1,127.0.0.1:2",
+    "task_index": 0, "verbose": False, "num_classes": 10, "a_flag_since_removed": 1}
+
+
+def test_a_run_with_the_old_flat_run_config_still_loads_and_resumes(devices, tmp_path):
+    """Runs written before run_config.json had sections: evaluate/export (load_run) read
+    them, and a resumed run accepts their checkpoints."""
+    import json
+
+    from owt_tf.training.checkpoint import CONFIG_FILE
+    from owt_tf.training.runs import load_run
+
+    logdir = tmp_path / "old"
+    config = RunConfig.from_flags(steps=2, eval_every=0, logdir=str(logdir), devices=2,
+                                  batch_size=8, seed=5, dropout=0.25)
+    _fit(devices, config, 2)
+    written = json.loads((logdir / CONFIG_FILE).read_text())
+    assert written["parallel"]["batch_size"] == 8 and written["identity"]["num_classes"] == 10
+    (logdir / CONFIG_FILE).write_text(json.dumps(OLD_FLAT_RUN_CONFIG))
+
+    loaded = load_run(str(logdir))
+    assert loaded.resumed_from.endswith("ckpt-2")
+    got = loaded.config
+    assert (got.run.seed, got.model.dropout, got.optimizer.lr) == (5, 0.25, 0.02)
+    assert got.optimizer.lr_decay_epochs == (10.0, 20.0) and got.run.profile_steps == (1, 2)
+    # one device in this process, no cluster joined, whatever the run was
+    assert (got.parallel.devices, got.num_workers, got.run.logdir) == (1, 1, str(logdir))
+
+    resumed = _fit(devices, config.replace(steps=3), 3)  # the flat identity is accepted
+    assert resumed.resumed_from.endswith("ckpt-2") and int(resumed.step) == 3

@@ -15,6 +15,8 @@ from keras_models import max_rel_diff
 from owt_tf.config import ConfigError, RunConfig
 from owt_tf.training.loop import Trainer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 MODULE = '''
 import keras
 
@@ -48,7 +50,9 @@ def user_module(tmp_path, monkeypatch):
 
 
 def _cli(args, cwd, pythonpath):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=pythonpath)
+    # The user's module first, then this checkout (not whichever owt_tf is installed).
+    path = os.pathsep.join(p for p in (pythonpath, ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
