@@ -98,11 +98,14 @@ def _positive(kind):
     return parse
 
 
+_TRAIN = RunConfig()  # train's defaults, which plan's shared flags take
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m owt_tf.plan", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODEL_NAMES, default="alexnet")
-    p.add_argument("--dataset", default=RunConfig.dataset,
+    p.add_argument("--dataset", default=_TRAIN.data.dataset,
                    help="the dataset --recommend's train command names (priced by --classes)")
     p.add_argument("--classes", type=_positive(int), default=1000)
     p.add_argument("--image-size", type=_positive(int), default=None)
@@ -114,12 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-bandwidth", type=_positive(float), help="bytes/s per device")
     p.add_argument("--link-bandwidth", type=_positive(float), help="bytes/s per link, one way")
     p.add_argument("--latency", type=float, help="seconds per collective launch")
-    p.add_argument("--fc-batch", choices=FC_BATCH_MODES, default=RunConfig.fc_batch,
+    p.add_argument("--fc-batch", choices=FC_BATCH_MODES, default=_TRAIN.parallel.fc_batch,
                    help="for owt-b/c: update FC after every round (worker) or once per step "
                         "(global; train's default)")
-    p.add_argument("--fc-exchange", choices=FC_EXCHANGES, default=RunConfig.fc_exchange)
-    p.add_argument("--loss", choices=LOSS_MODES, default=RunConfig.loss)
-    p.add_argument("--precision", choices=tuple(PRECISIONS), default=RunConfig.precision,
+    p.add_argument("--fc-exchange", choices=FC_EXCHANGES, default=_TRAIN.parallel.fc_exchange)
+    p.add_argument("--loss", choices=LOSS_MODES, default=_TRAIN.parallel.loss)
+    p.add_argument("--precision", choices=tuple(PRECISIONS), default=_TRAIN.parallel.precision,
                    help="compute precision priced: bf16/fp16 compute at the hardware's low-"
                         "precision rate and move 2-byte activations (train's --precision)")
     p.add_argument("--recommend", action="store_true",

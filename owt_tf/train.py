@@ -1,7 +1,7 @@
 """`python -m owt_tf.train`: train a CNN with the hybrid scheme. No flags: the demo run.
 
-Every flag is a field of owt_tf.config.RunConfig; the flags and their help are generated in
-owt_tf.cli (launch checks its workers' flags with the same parser). Bad flags fail in one
+Every flag is a field of one section of owt_tf.config.RunConfig; the flags and their help
+are generated in owt_tf.cli (launch checks its workers' flags with the same parser). Bad flags fail in one
 line, exit code 2, before anything is built.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import List, Optional
 from owt_tf.cli import fail, parse_config
 from owt_tf.config import ConfigError, RunConfig, new_run_dir
 from owt_tf.startup import start_tensorflow
+from owt_tf.training.rundir import RunDirUnusable, check_writable
 
 # Exit codes: 0 done, 2 bad flags or input (nothing written), 3 non-finite loss or gradient,
 # 4 a checkpoint could not be written, 5 another worker of the cluster is gone (restart all
@@ -24,20 +25,23 @@ PROG = "python -m owt_tf.train"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    config = parse_config(argv)
     try:
-        config.validate()
+        config = parse_config(argv).validate()
     except ConfigError as err:
         return fail(PROG, err)
     try:
         watch_cluster_start(config)
     except ValueError as err:  # ClusterError: a bad OWT_TF_JOIN_TIMEOUT_S
         return fail(PROG, err)
-    if config.logdir is None:
+    if config.run.logdir is None:
         config = config.replace(logdir=new_run_dir())
+    try:
+        check_writable(config.run.logdir)
+    except RunDirUnusable as err:
+        return fail(PROG, ConfigError("--logdir", str(err)))
     print(run_banner(config), flush=True)
     # TensorFlow loads only now, after the flags were found good.
-    start_tensorflow(config.verbose)
+    start_tensorflow(config.run.verbose)
     from owt_tf.data.datasets import DatasetError
     from owt_tf.training.checkpoint import CheckpointMismatch, NoReadableCheckpoint
     from owt_tf.training.loop import Trainer
@@ -76,14 +80,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 def run_banner(config: RunConfig) -> str:
     """What the run trains, where it writes and how to watch it: printed before TensorFlow
     starts, so that a user sees it at once."""
-    workers = config.num_workers
-    k = config.devices * workers
-    spread = f"{config.devices} devices x {workers} workers" if workers > 1 else f"{k} devices"
-    return (f"python -m owt_tf.train: {config.model} on {config.dataset} | K={k} ({spread}) | "
-            f"{config.scheme}{' (chosen once the model is built)' if config.scheme == 'auto' else ''} | "
-            f"global batch {config.global_batch_size}\n"
-            f"  writing to {config.logdir} (checkpoints, TensorBoard); watch it with: "
-            f"tensorboard --logdir {config.logdir}")
+    workers, devices, logdir = config.num_workers, config.parallel.devices, config.run.logdir
+    k = config.num_replicas
+    spread = f"{devices} devices x {workers} workers" if workers > 1 else f"{k} devices"
+    return (f"python -m owt_tf.train: {config.model.model} on {config.data.dataset} | K={k} "
+            f"({spread}) | {config.parallel.scheme}"
+            f"{' (chosen once the model is built)' if config.parallel.scheme == 'auto' else ''} | global batch {config.global_batch_size}\n"
+            f"  writing to {logdir} (checkpoints, TensorBoard); watch it with: "
+            f"tensorboard --logdir {logdir}")
 
 
 def watch_cluster_start(config: RunConfig) -> None:
@@ -92,7 +96,7 @@ def watch_cluster_start(config: RunConfig) -> None:
     on TensorFlow's cluster registration for its default timeout."""
     from owt_tf.cluster import join_timeout_s, watch_peers_start
 
-    cluster = config.resolved_cluster()
+    cluster = config.cluster.resolved
     if cluster is not None:
         watch_peers_start(cluster, join_timeout_s(), prefix="python -m owt_tf.train: error: ")
 

@@ -113,7 +113,7 @@ def test_train_scheme_auto_names_its_choice_and_records_it(tmp_path):
          "--batch-size", "16", "--steps", "3", "--eval-every", "0", "--logdir", str(logdir)],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    saved = json.loads((logdir / "run_config.json").read_text())
+    saved = json.loads((logdir / "run_config.json").read_text())["parallel"]
     assert saved["scheme"] in SCHEMES and saved["scheme"] != "single"
     lines = [l for l in proc.stdout.splitlines() if "--scheme auto chose" in l]
     assert len(lines) == 1 and f"chose {saved['scheme']}" in lines[0]
@@ -154,17 +154,17 @@ def test_trainer_chooses_for_a_user_model_or_says_why_not(devices, tmp_path, mon
     (tmp_path / "auto_user_models.py").write_text(USER_MODELS)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("auto_user_models", None)
-    config = RunConfig(model=f"auto_user_models:{function}", dataset="synthetic", devices=2,
+    config = RunConfig.from_flags(model=f"auto_user_models:{function}", dataset="synthetic", devices=2,
                        scheme="auto", batch_size=8, steps=1, eval_every=0,
                        logdir=str(tmp_path / "run"))
     trainer = Trainer(config, devices=devices[:2])
     line = next(l for l in capsys.readouterr().out.splitlines() if "--scheme auto chose" in l)
-    assert trainer.config.scheme in SCHEMES and trainer.hybrid.scheme == trainer.config.scheme
-    assert f"chose {trainer.config.scheme}" in line
+    assert trainer.config.parallel.scheme in SCHEMES and trainer.hybrid.scheme == trainer.config.parallel.scheme
+    assert f"chose {trainer.config.parallel.scheme}" in line
     if counted:
         assert "runner-up" in line and trainer.hybrid.auto_choice.choice is not None
     else:
-        assert trainer.config.scheme == auto.FALLBACK_SCHEME
+        assert trainer.config.parallel.scheme == auto.FALLBACK_SCHEME
         assert "fallback" in line and "cannot count model" in line and "dw" in line
     trainer.fit(log=lambda text: None)
     assert int(trainer.step) == 1

@@ -12,7 +12,7 @@ from reference import rel_err
 
 
 def _fit(devices, config, steps):
-    trainer = Trainer(config, devices=devices[:config.devices])
+    trainer = Trainer(config, devices=devices[:config.parallel.devices])
     trainer.fit(steps=steps, log=lambda line: None, progress=False)
     return trainer
 
@@ -26,8 +26,8 @@ def _assert_same_weights(a, b, tol=1e-5):
 
 def test_resume_equals_training_in_one_go(devices, tmp_path):
     """Dropout on: its masks are seeded by the step, so they are restored with it."""
-    base = RunConfig(scheme="owt-b", devices=2, batch_size=8, fc_batch="worker", steps=12,
-                     eval_every=0, checkpoint_every=0, seed=3)
+    base = RunConfig.from_flags(scheme="owt-b", devices=2, batch_size=8, fc_batch="worker", steps=12,
+                                eval_every=0, checkpoint_every=0, seed=3)
     whole = _fit(devices, base.replace(logdir=str(tmp_path / "whole")), 12)
     split_dir = str(tmp_path / "split")
     first = _fit(devices, base.replace(logdir=split_dir), 6)
@@ -42,12 +42,12 @@ def test_saved_at_four_devices_resumes_at_two(devices, tmp_path):
     """FC shards and momenta are saved whole and re-split; fc_batch=global, same global batch."""
     common = dict(fc_batch="global", lr=0.01, lr_scaling="none", dropout=0.0, eval_every=0,
                   checkpoint_every=0, seed=4, steps=8)
-    k4 = RunConfig(scheme="owt-a", devices=4, batch_size=4, **common)
+    k4 = RunConfig.from_flags(scheme="owt-a", devices=4, batch_size=4, **common)
     never_stopped = _fit(devices, k4.replace(logdir=str(tmp_path / "k4")), 8)
     moved = str(tmp_path / "moved")
     _fit(devices, k4.replace(logdir=moved), 4)
-    at_two = _fit(devices, RunConfig(scheme="owt-c", devices=2, batch_size=8, logdir=moved,
-                                     **common), 8)
+    at_two = _fit(devices, RunConfig.from_flags(scheme="owt-c", devices=2, batch_size=8, logdir=moved,
+                                                **common), 8)
     assert at_two.resumed_from.endswith("ckpt-4")
     _assert_same_weights(at_two.model.full_weights(), never_stopped.model.full_weights())
 
@@ -86,7 +86,7 @@ def test_resumed_at_another_k_with_the_same_global_batch_keeps_its_rates(tmp_pat
 
 def test_logdir_of_another_model_is_refused_and_kept(devices, tmp_path):
     logdir = tmp_path / "run"
-    _fit(devices, RunConfig(steps=2, eval_every=0, logdir=str(logdir), devices=2, batch_size=8), 2)
+    _fit(devices, RunConfig.from_flags(steps=2, eval_every=0, logdir=str(logdir), devices=2, batch_size=8), 2)
     before = sorted(os.listdir(logdir / "checkpoints"))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run([sys.executable, "-m", "owt_tf.train", "--model", "alexnet",
@@ -96,3 +96,46 @@ def test_logdir_of_another_model_is_refused_and_kept(devices, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "owt_tf.train: error" in line]
     assert len(errors) == 1 and "--logdir" in errors[0] and "alexnet_tiny" in errors[0]
     assert sorted(os.listdir(logdir / "checkpoints")) == before
+
+
+# run_config.json as versions before the config sections wrote it: every flag at the top
+# level (--lr-decay-epochs and --profile-steps as typed), the checkpoints' identity beside them.
+OLD_FLAT_RUN_CONFIG = {
+    "model": "alexnet_tiny", "dataset": "digits", "data_dir": None, "manual_dir": None,
+    "download": False, "augment": "auto", "devices": 2, "scheme": "owt-b", "batch_size": 8,
+    "fc_batch": "global", "fc_exchange": "gather", "loss": "gathered", "steps": 2,
+    "epochs": None, "lr": 0.02, "lr_batch": 128, "lr_scaling": "linear",
+    "lr_schedule": "step", "lr_decay_epochs": "10,20", "warmup_epochs": 0.0, "momentum": 0.9,
+    "weight_decay": 5e-4, "dropout": 0.25, "seed": 5, "eval_every": 0, "jit": False,
+    "logdir": None, "checkpoint_every": 200, "export_dir": None, "log_every": 10,
+    "histogram_every": 200, "profile_steps": "1:2", "device_type": "auto",
+    "deterministic": False, "skip_nonfinite": 0, "cluster": "127.0.0.1:1,127.0.0.1:2",
+    "task_index": 0, "verbose": False, "num_classes": 10, "a_flag_since_removed": 1}
+
+
+def test_a_run_with_the_old_flat_run_config_still_loads_and_resumes(devices, tmp_path):
+    """Runs written before run_config.json had sections: evaluate/export (load_run) read
+    them, and a resumed run accepts their checkpoints."""
+    import json
+
+    from owt_tf.training.checkpoint import CONFIG_FILE
+    from owt_tf.training.runs import load_run
+
+    logdir = tmp_path / "old"
+    config = RunConfig.from_flags(steps=2, eval_every=0, logdir=str(logdir), devices=2,
+                                  batch_size=8, seed=5, dropout=0.25)
+    _fit(devices, config, 2)
+    written = json.loads((logdir / CONFIG_FILE).read_text())
+    assert written["parallel"]["batch_size"] == 8 and written["identity"]["num_classes"] == 10
+    (logdir / CONFIG_FILE).write_text(json.dumps(OLD_FLAT_RUN_CONFIG))
+
+    loaded = load_run(str(logdir))
+    assert loaded.resumed_from.endswith("ckpt-2")
+    got = loaded.config
+    assert (got.run.seed, got.model.dropout, got.optimizer.lr) == (5, 0.25, 0.02)
+    assert got.optimizer.lr_decay_epochs == (10.0, 20.0) and got.run.profile_steps == (1, 2)
+    # one device in this process, no cluster joined, whatever the run was
+    assert (got.parallel.devices, got.num_workers, got.run.logdir) == (1, 1, str(logdir))
+
+    resumed = _fit(devices, config.replace(steps=3), 3)  # the flat identity is accepted
+    assert resumed.resumed_from.endswith("ckpt-2") and int(resumed.step) == 3

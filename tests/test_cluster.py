@@ -56,9 +56,9 @@ def test_bad_tf_config_is_refused(text, words):
 
 
 def test_config_counts_every_workers_devices():
-    config = RunConfig(cluster="127.0.0.1:1,127.0.0.1:2", task_index=1, devices=2, batch_size=8)
+    config = RunConfig.from_flags(cluster="127.0.0.1:1,127.0.0.1:2", task_index=1, devices=2, batch_size=8)
     assert (config.num_workers, config.num_replicas, config.global_batch_size) == (2, 4, 32)
-    assert config.conv_lr == pytest.approx(config.lr * 32 / config.lr_batch)  # the global batch's rate
+    assert config.conv_lr == pytest.approx(config.optimizer.lr * 32 / config.optimizer.lr_batch)  # the global batch's rate
 
 
 def test_launcher_flags_and_addresses():

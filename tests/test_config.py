@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from owt_tf.config import PRESETS, ConfigError, RunConfig
+from owt_tf.config import ConfigError, RunConfig, imagenet_paper
 
 BAD = [
     (dict(scheme="owt-d"), "--scheme"),
@@ -39,20 +39,20 @@ BAD = [
 @pytest.mark.parametrize("changes,flag", BAD, ids=[f for _, f in BAD])
 def test_invalid_config_names_the_flag(changes, flag):
     with pytest.raises(ConfigError) as err:
-        RunConfig(**changes).validate()
+        RunConfig.from_flags(**changes).validate()
     assert err.value.flag == flag
     assert str(err.value).startswith(flag)
 
 
 def test_fc_width_not_divisible_by_devices():
     with pytest.raises(ConfigError, match="FC width 256 is not divisible by 3"):
-        RunConfig(devices=3, scheme="owt-a").validate()
-    RunConfig(devices=3, scheme="data").validate()  # mirrored FC layers are not split
-    RunConfig(devices=4, scheme="owt-b").validate()  # 10 classes over 4: padded, allowed
+        RunConfig.from_flags(devices=3, scheme="owt-a").validate()
+    RunConfig.from_flags(devices=3, scheme="data").validate()  # mirrored FC layers are not split
+    RunConfig.from_flags(devices=4, scheme="owt-b").validate()  # 10 classes over 4: padded, allowed
 
 
 def test_learning_rates_follow_the_batch():
-    c = RunConfig(lr=0.01, lr_batch=32, batch_size=32, devices=4, scheme="owt-b", lr_scaling="linear")
+    c = RunConfig.from_flags(lr=0.01, lr_batch=32, batch_size=32, devices=4, scheme="owt-b", lr_scaling="linear")
     assert c.conv_lr == pytest.approx(0.04) and c.fc_lr == pytest.approx(0.04)
     w = c.replace(fc_batch="worker")  # FC batch 32: the rate for 32
     assert w.conv_lr == pytest.approx(0.04) and w.fc_lr == pytest.approx(0.01)
@@ -63,14 +63,14 @@ def test_learning_rates_follow_the_batch():
 
 @pytest.mark.parametrize("devices,batch_size", [(1, 64), (2, 32), (4, 16), (8, 8)])
 def test_the_same_global_batch_gives_the_same_rates_at_any_k(devices, batch_size):
-    c = RunConfig(lr=0.04, lr_batch=128, devices=devices, batch_size=batch_size, fc_batch="global")
+    c = RunConfig.from_flags(lr=0.04, lr_batch=128, devices=devices, batch_size=batch_size, fc_batch="global")
     assert c.conv_lr == pytest.approx(0.02) and c.fc_lr == pytest.approx(0.02)
 
 
 def test_the_paper_preset_keeps_the_papers_rates():
     # 0.01 for 128 per worker: conv rate x K on the 128K batch, FC rate 0.01 on its 128
     for k in (1, 2, 8):
-        c = RunConfig(**PRESETS["imagenet-paper"]).replace(devices=k)
+        c = imagenet_paper().replace(devices=k)
         assert c.conv_lr == pytest.approx(0.01 * k) and c.fc_lr == pytest.approx(0.01)
 
 
@@ -176,3 +176,110 @@ def test_cli_refuses_logdirs_it_cannot_use(tmp_path):
         assert len(lines) == 1 and "--logdir" in lines[0] and needle in lines[0], proc.stderr
         assert os.listdir(work) == []
     assert a_file.read_text() == "keep"
+
+
+def test_flags_are_routed_to_their_sections():
+    c = RunConfig.from_flags(devices=4, scheme="owt-a", lr=0.1, dataset="synthetic",
+                             dropout=0.0, steps=7, cluster="127.0.0.1:1,127.0.0.1:2",
+                             task_index=1, logdir="runs/x")
+    assert (c.parallel.devices, c.parallel.scheme, c.optimizer.lr) == (4, "owt-a", 0.1)
+    assert (c.data.dataset, c.model.dropout, c.run.steps) == ("synthetic", 0.0, 7)
+    assert (c.cluster.addresses, c.cluster.task_index, c.num_workers) == ("127.0.0.1:1,127.0.0.1:2", 1, 2)
+    changed = c.replace(devices=2, lr=0.2)
+    assert (changed.parallel.devices, changed.optimizer.lr, changed.parallel.scheme) == (2, 0.2, "owt-a")
+    assert c.parallel.devices == 4  # a copy
+    assert changed.replace(cluster=None, task_index=None).num_workers == 1
+    assert RunConfig.from_flags(**c.to_flags()) == c
+    with pytest.raises(TypeError, match="no flag 'devicez'"):
+        RunConfig.from_flags(devicez=2)
+
+
+def test_the_cluster_is_resolved_once_from_the_environment(monkeypatch):
+    tf_config = ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
+                 '"task": {"type": "worker", "index": 1}}')
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    c = RunConfig.from_flags(devices=2, logdir="runs/x")
+    assert (c.num_workers, c.num_replicas, c.cluster.resolved.worker_id) == (2, 4, 1)
+    monkeypatch.delenv("TF_CONFIG")  # held by the config, not read again
+    assert c.validate().num_workers == 2
+    assert RunConfig.from_flags(devices=2).num_workers == 1
+
+
+def test_validate_writes_nothing_and_loads_no_model(tmp_path):
+    """No probe file in the logdir's parent, no model built (Keras is never imported)."""
+    code = ("import sys\n"
+            "from owt_tf.config import RunConfig, ConfigError\n"
+            f"RunConfig.from_flags(logdir={str(tmp_path / 'run')!r}, scheme='owt-a').validate()\n"
+            "try:\n"
+            "    RunConfig.from_flags(devices=3, scheme='owt-a').validate()\n"
+            "except ConfigError as err:\n"
+            "    print(err)\n"
+            "print(sorted(m for m in ('keras', 'tensorflow') if m in sys.modules))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "--devices: model alexnet_tiny's FC width 256 is not divisible by 3 devices", "[]"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_fc_width_table_matches_the_models():
+    from owt_tf.models.registry import FC_WIDTHS, MODEL_NAMES, build_model
+
+    assert set(FC_WIDTHS) == set(MODEL_NAMES)
+    for name in MODEL_NAMES:
+        assert tuple(build_model(name, num_classes=3).head.hidden) == FC_WIDTHS[name], name
+
+
+def test_text_flags_are_parsed_once_into_values():
+    from owt_tf.cli import parse_config
+
+    c = parse_config(["--lr-decay-epochs", "5,7.5", "--profile-steps", "3:9"])
+    assert c.optimizer.lr_decay_epochs == (5.0, 7.5) and c.run.profile_steps == (3, 9)
+    assert parse_config([]).optimizer.lr_decay_epochs == (30.0, 60.0, 80.0)
+    with pytest.raises(ConfigError, match="--lr-decay-epochs: must be increasing"):
+        RunConfig.from_flags(lr_decay_epochs=(3.0, 1.0)).validate()
+    with pytest.raises(ConfigError, match="--profile-steps: need 1 <= A <= B"):
+        RunConfig.from_flags(profile_steps=(4, 2)).validate()
+
+
+def test_presets_are_configs_and_flags_override_them():
+    from owt_tf.cli import parse_config
+    from owt_tf.config import PRESETS, demo
+
+    assert demo() == RunConfig() and set(PRESETS) == {"demo", "imagenet-paper"}
+    paper = imagenet_paper()
+    assert (paper.model.model, paper.data.dataset, paper.parallel.fc_batch) == (
+        "alexnet", "imagenet2012", "worker")
+    given = parse_config(["--preset", "imagenet-paper", "--lr", "0.5", "--scheme", "owt-c"])
+    assert given == paper.replace(lr=0.5, scheme="owt-c")
+
+
+def test_run_config_dict_round_trip_and_the_old_flat_layout():
+    c = RunConfig.from_flags(devices=4, lr_decay_epochs=(1.0, 2.0), profile_steps=(2, 3),
+                             model="vgg_tiny")
+    import json
+
+    saved = json.loads(json.dumps(c.to_dict()))
+    assert set(saved) == {"model", "data", "parallel", "optimizer", "run", "cluster"}
+    assert RunConfig.from_dict(saved) == c
+    flat = {"model": "vgg_tiny", "devices": 4, "lr_decay_epochs": "1,2", "profile_steps": "2:3",
+            "num_classes": 10, "removed_flag": True}
+    assert RunConfig.from_dict(flat) == c
+
+
+def test_help_is_grouped_by_section_with_every_flag_once():
+    from owt_tf.cli import build_train_parser
+    from owt_tf.config import FLAG_FIELDS
+
+    parser = build_train_parser()
+    titles = [g.title for g in parser._action_groups]
+    assert {"model", "data", "parallel plan", "optimizer", "run", "cluster"} <= set(titles)
+    flags = [s for a in parser._actions for s in a.option_strings if not s.startswith("--no-")]
+    expected = {"--" + name.replace("_", "-") for name in FLAG_FIELDS} | {"-h", "--help", "--preset"}
+    assert sorted(flags) == sorted(expected)
+    text = " ".join(parser.format_help().split())
+    assert "examples per replica (device) per step (B)" in text and "(default: 30,60,80)" in text

@@ -19,8 +19,8 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 @pytest.fixture(scope="module")
 def trained(devices, tmp_path_factory):
     logdir = tmp_path_factory.mktemp("run")
-    config = RunConfig(steps=20, eval_every=0, devices=4, batch_size=8, scheme="owt-c",
-                       logdir=str(logdir))
+    config = RunConfig.from_flags(steps=20, eval_every=0, devices=4, batch_size=8, scheme="owt-c",
+                                  logdir=str(logdir))
     trainer = Trainer(config, devices=devices[:4])
     trainer.fit(log=lambda line: None, progress=False)
     return trainer

@@ -196,8 +196,8 @@ def test_export_of_a_folder_run_normalises_with_the_runs_statistics(tmp_path):
     from owt_tf.training.loop import Trainer
 
     images = _write_sized_tree(tmp_path / "d", 32)
-    config = RunConfig(dataset=f"folder:{tmp_path / 'd'}", devices=1, scheme="single",
-                       batch_size=8, steps=2, eval_every=0, logdir=str(tmp_path / "run"))
+    config = RunConfig.from_flags(dataset=f"folder:{tmp_path / 'd'}", devices=1, scheme="single",
+                                  batch_size=8, steps=2, eval_every=0, logdir=str(tmp_path / "run"))
     trainer = Trainer(config)
     trainer.fit(log=lambda line: None, progress=False)
     stats = json.loads((tmp_path / "run" / STATS_FILE).read_text())

@@ -47,8 +47,8 @@ def test_imagenet2012_prepares_offline_and_trains(devices, tmp_path):
     manual = str(tmp_path / "manual")
     write_ilsvrc(manual)
     data_dir = str(tmp_path / "tfds")
-    config = RunConfig(dataset="imagenet2012", manual_dir=manual, data_dir=data_dir, steps=3,
-                       devices=2, batch_size=4, eval_every=0, logdir=str(tmp_path / "run"))
+    config = RunConfig.from_flags(dataset="imagenet2012", manual_dir=manual, data_dir=data_dir, steps=3,
+                                  devices=2, batch_size=4, eval_every=0, logdir=str(tmp_path / "run"))
     trainer = Trainer(config, devices=devices[:2])
     assert trainer.dataset.num_classes == 1000 and trainer.dataset.num_train == 20
     labels = {int(y) for _, y in trainer.dataset._readable().take(20)}

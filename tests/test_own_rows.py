@@ -114,7 +114,7 @@ def test_a_global_batch_without_a_readable_image_stops_before_its_step(tmp_path)
     assert all(b[0].shape[0] == 4 and ((b[3] == 4).all() or not (b[3] == 4).any())
                for b in batches)
     first_empty = next(i for i, b in enumerate(batches) if (b[3] == 4).all())
-    config = RunConfig(dataset=f"folder:{root}", devices=2, scheme="owt-b", batch_size=2,
+    config = RunConfig.from_flags(dataset=f"folder:{root}", devices=2, scheme="owt-b", batch_size=2,
                        steps=6, eval_every=0, seed=SEED, augment="none",
                        logdir=str(tmp_path / "run"))
     trainer = Trainer(config)

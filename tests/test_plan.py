@@ -180,11 +180,11 @@ def test_recommendation_is_a_table_row_and_a_runnable_command():
         command = shlex.split(rec["command"])
         assert command[:3] == ["python", "-m", "owt_tf.train"]
         config = parse_config(command[3:]).validate()
-        assert (config.scheme, config.devices) == (choice["scheme"], 1 if k == 1 else k)
-        assert config.global_batch_size == 128 * k and config.dataset == "digits"
+        assert (config.parallel.scheme, config.parallel.devices) == (choice["scheme"], 1 if k == 1 else k)
+        assert config.global_batch_size == 128 * k and config.data.dataset == "digits"
         if k > 1:
-            assert (config.fc_exchange, config.loss) == (choice["fc_exchange"], choice["loss"])
-            assert config.fc_batch == choice["fc_batch_mode"]
+            assert (config.parallel.fc_exchange, config.parallel.loss) == (choice["fc_exchange"], choice["loss"])
+            assert config.parallel.fc_batch == choice["fc_batch_mode"]
     proc = _run("--recommend", "--devices", "8")
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("recommend K=8:"))

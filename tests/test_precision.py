@@ -133,7 +133,7 @@ def test_fp16_overflow_is_a_scale_step_not_a_stop(devices, tmp_path):
     from owt_tf.training.guard import is_mirrored
     from owt_tf.training.loop import Trainer
 
-    config = RunConfig(devices=2, scheme="owt-b", batch_size=8, steps=10, precision="fp16",
+    config = RunConfig.from_flags(devices=2, scheme="owt-b", batch_size=8, steps=10, precision="fp16",
                        eval_every=0, logdir=str(tmp_path / "run"))
     trainer = Trainer(config, devices=devices[:2])
     assert trainer.model.trunk.layers[0].dtype_policy.name == "mixed_float16"
@@ -165,7 +165,7 @@ def test_a_run_changes_precision_when_it_resumes(devices, tmp_path):
     from owt_tf.config import RunConfig
     from owt_tf.training.loop import Trainer
 
-    config = RunConfig(devices=2, batch_size=8, eval_every=0, logdir=str(tmp_path),
+    config = RunConfig.from_flags(devices=2, batch_size=8, eval_every=0, logdir=str(tmp_path),
                        histogram_every=0)
     quiet = dict(log=lambda line: None, progress=False)
     Trainer(config.replace(steps=2), devices=devices[:2]).fit(**quiet)
@@ -218,7 +218,7 @@ def test_bf16_trains_the_demo_to_the_fp32_error_within_a_point(devices, tmp_path
 
     errors = {}
     for precision in ("fp32", "bf16"):
-        config = RunConfig(precision=precision, logdir=str(tmp_path / precision),
+        config = RunConfig.from_flags(precision=precision, logdir=str(tmp_path / precision),
                            histogram_every=0)
         summary = Trainer(config, devices=devices[:2]).fit(log=lambda line: None, progress=False)
         errors[precision] = summary["val_top1_error"]
@@ -236,7 +236,7 @@ def test_a_bf16_run_exports_a_float32_serving_graph(devices, tmp_path):
     from owt_tf.config import RunConfig
     from owt_tf.training.loop import Trainer
 
-    config = RunConfig(devices=2, batch_size=8, steps=2, eval_every=0, precision="bf16",
+    config = RunConfig.from_flags(devices=2, batch_size=8, steps=2, eval_every=0, precision="bf16",
                        histogram_every=0, logdir=str(tmp_path / "run"),
                        export_dir=str(tmp_path / "models"))
     trainer = Trainer(config, devices=devices[:2])

@@ -50,6 +50,6 @@ def test_readme_walkthrough_runs_as_written(tmp_path):
         if "owt_tf.train" in command:
             assert "writing to runs/demo" in proc.stdout, proc.stdout[:2000]
             with open(tmp_path / "runs" / "demo" / "run_config.json") as f:
-                assert json.load(f)["logdir"] == "runs/demo"
+                assert json.load(f)["run"]["logdir"] == "runs/demo"
     assert os.path.exists(tmp_path / "runs" / "demo" / "checkpoints" / "checkpoint")
     assert os.path.exists(tmp_path / "models" / "demo" / "1" / "saved_model.pb")

@@ -145,8 +145,8 @@ def test_skip_nonfinite_undoes_the_step_exactly(devices, tmp_path):
     from owt_tf.training.guard import NonFiniteError, is_mirrored
     from owt_tf.training.loop import Trainer
 
-    config = RunConfig(devices=2, scheme="owt-b", fc_batch="worker", batch_size=8, steps=10,
-                       skip_nonfinite=1, eval_every=0, logdir=str(tmp_path / "run"))
+    config = RunConfig.from_flags(devices=2, scheme="owt-b", fc_batch="worker", batch_size=8, steps=10,
+                                  skip_nonfinite=1, eval_every=0, logdir=str(tmp_path / "run"))
     trainer = Trainer(config, devices=devices[:2])
     real = trainer._train_batches
     poison = {"steps": (3, 4)}
@@ -483,8 +483,8 @@ def test_a_save_that_wrote_garbage_never_costs_the_last_good_checkpoint(devices,
     from owt_tf.training.checkpoint import CheckpointWriteError
     from owt_tf.training.loop import Trainer
 
-    config = RunConfig(devices=2, batch_size=8, steps=4, eval_every=0,
-                       logdir=str(tmp_path / "run"))
+    config = RunConfig.from_flags(devices=2, batch_size=8, steps=4, eval_every=0,
+                                  logdir=str(tmp_path / "run"))
     trainer = Trainer(config, devices=devices[:2])
     ckpts = trainer.checkpoints
     for step in (1, 2, 3):

@@ -89,3 +89,9 @@ def test_the_check_sees_every_kind_of_import(tmp_path):
                       "from owt_tf.parallel import plan\n")
     assert not any(_forbidden(m) for _, m in imported_modules(source, tmp_path))
 
+
+
+def test_the_config_imports_nothing_from_training():
+    path = PACKAGE / "config.py"
+    found = [m for _, m in imported_modules(path) if m.startswith("owt_tf.training")]
+    assert not found, found

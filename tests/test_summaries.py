@@ -8,8 +8,8 @@ from owt_tf.training.loop import Trainer
 
 
 def test_event_files_hold_every_contract_tag(devices, tmp_path):
-    config = RunConfig(steps=8, eval_every=4, log_every=2, histogram_every=4, devices=2,
-                       batch_size=8, logdir=str(tmp_path))
+    config = RunConfig.from_flags(steps=8, eval_every=4, log_every=2, histogram_every=4, devices=2,
+                                  batch_size=8, logdir=str(tmp_path))
     Trainer(config, devices=devices[:2]).fit(log=lambda line: None, progress=False)
     acc = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
     acc.Reload()

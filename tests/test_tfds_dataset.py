@@ -43,8 +43,8 @@ def test_prepared_tfds_dataset_trains(devices, tmp_path):
     OwtTinyDigits(data_dir=data_dir).download_and_prepare()
     ds = load_dataset("tfds:owt_tiny_digits", (32, 32, 3), data_dir=data_dir)
     assert ds.num_classes == 4 and ds.num_train == 120
-    config = RunConfig(dataset="tfds:owt_tiny_digits", data_dir=data_dir, steps=4, devices=2,
-                       batch_size=8, eval_every=0, logdir=str(tmp_path / "run"))
+    config = RunConfig.from_flags(dataset="tfds:owt_tiny_digits", data_dir=data_dir, steps=4, devices=2,
+                                  batch_size=8, eval_every=0, logdir=str(tmp_path / "run"))
     summary = Trainer(config, devices=devices[:2]).fit(log=lambda line: None, progress=False)
     assert np.isfinite(summary["train_loss"]) and summary["steps"] == 4
 

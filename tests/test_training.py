@@ -16,9 +16,9 @@ LAYOUTS = [("data", 2), ("owt-a", 4), ("owt-b", 2), ("owt-c", 4), ("owt-b", 4)]
 
 
 def _weights_after(devices, scheme, k, logdir, steps=4):
-    config = RunConfig(scheme=scheme, devices=k, batch_size=GLOBAL_BATCH // k, fc_batch="global",
-                       lr_scaling="none", dropout=0.0, lr=0.02, seed=5, steps=steps,
-                       eval_every=0, logdir=str(logdir))
+    config = RunConfig.from_flags(scheme=scheme, devices=k, batch_size=GLOBAL_BATCH // k, fc_batch="global",
+                                  lr_scaling="none", dropout=0.0, lr=0.02, seed=5, steps=steps,
+                                  eval_every=0, logdir=str(logdir))
     trainer = Trainer(config, devices=devices[:k])
     losses = [trainer.train_step().loss for _ in range(steps)]
     return trainer.model.full_weights(), losses
@@ -38,7 +38,7 @@ def test_every_scheme_reaches_the_single_device_weights(devices, tmp_path):
 
 
 def test_demo_configuration_learns_digits(devices, tmp_path):
-    trainer = Trainer(RunConfig(steps=300, eval_every=0, logdir=str(tmp_path)), devices=devices[:2])
+    trainer = Trainer(RunConfig.from_flags(steps=300, eval_every=0, logdir=str(tmp_path)), devices=devices[:2])
     summary = trainer.fit(log=lambda line: None, progress=False)
     assert summary["val_top1_error"] < 0.10
     assert (tmp_path / "checkpoints" / "ckpt-300.index").exists()
@@ -62,10 +62,10 @@ def test_cli_trains_and_reports(tmp_path):
 
 def test_learning_rate_schedule_reaches_the_optimizers(devices, tmp_path):
     """Step decay with warm-up: the rates the optimizers hold follow the schedule."""
-    from owt_tf.config import lr_factor
+    from owt_tf.training.schedule import lr_factor
 
-    config = RunConfig(steps=6, eval_every=0, devices=2, batch_size=8, logdir=str(tmp_path),
-                       lr_schedule="step", lr_decay_epochs="0.05", warmup_epochs=0.02)
+    config = RunConfig.from_flags(steps=6, eval_every=0, devices=2, batch_size=8, logdir=str(tmp_path),
+                                  lr_schedule="step", lr_decay_epochs=(0.05,), warmup_epochs=0.02)
     trainer = Trainer(config, devices=devices[:2])
     trainer.fit(log=lambda line: None, progress=False)
     per_epoch = len(trainer.dataset.train_labels) / config.global_batch_size
@@ -77,7 +77,7 @@ def test_learning_rate_schedule_reaches_the_optimizers(devices, tmp_path):
 
 
 def test_epochs_override_steps():
-    config = RunConfig(epochs=2.0, batch_size=32, devices=2)
+    config = RunConfig.from_flags(epochs=2.0, batch_size=32, devices=2)
     assert config.total_steps(1438) == 45  # ceil(2 * 1438 / 64)
 
 
@@ -85,7 +85,11 @@ def test_presets_fill_in_and_flags_override():
     from owt_tf.cli import parse_config
 
     paper = parse_config(["--preset", "imagenet-paper", "--devices", "4"])
-    assert (paper.model, paper.batch_size, paper.fc_batch, paper.epochs) == ("alexnet", 128, "worker", 90.0)
-    assert paper.conv_lr == pytest.approx(4 * paper.lr) and paper.fc_lr == pytest.approx(paper.lr)
-    assert parse_config(["--preset", "imagenet-paper", "--batch-size", "64"]).batch_size == 64
+    assert (paper.model.model, paper.parallel.batch_size, paper.parallel.fc_batch,
+            paper.run.epochs) == ("alexnet", 128, "worker", 90.0)
+    assert paper.conv_lr == pytest.approx(4 * paper.optimizer.lr)
+    assert paper.fc_lr == pytest.approx(paper.optimizer.lr)
+    assert paper.optimizer.lr_decay_epochs == (30.0, 60.0, 80.0)
+    flagged = parse_config(["--preset", "imagenet-paper", "--batch-size", "64"])
+    assert flagged.parallel.batch_size == 64 and flagged.model.model == "alexnet"
     assert parse_config([]) == RunConfig()

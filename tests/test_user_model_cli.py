@@ -15,6 +15,8 @@ from keras_models import max_rel_diff
 from owt_tf.config import ConfigError, RunConfig
 from owt_tf.training.loop import Trainer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 MODULE = '''
 import keras
 
@@ -48,7 +50,9 @@ def user_module(tmp_path, monkeypatch):
 
 
 def _cli(args, cwd, pythonpath):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=pythonpath)
+    # The user's module first, then this checkout (not whichever owt_tf is installed).
+    path = os.pathsep.join(p for p in (pythonpath, ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path)
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -58,8 +62,8 @@ def test_keras_file_keeps_its_weights(devices, tmp_path, user_module):
     model = user_module.build(10)
     path = str(tmp_path / "user.keras")
     model.save(path)
-    trainer = Trainer(RunConfig(model=path, devices=4, batch_size=8, scheme="owt-c",
-                                steps=1, eval_every=0, logdir=str(tmp_path / "run")),
+    trainer = Trainer(RunConfig.from_flags(model=path, devices=4, batch_size=8, scheme="owt-c",
+                                           steps=1, eval_every=0, logdir=str(tmp_path / "run")),
                       devices=devices[:4])
     got = trainer.model.full_weights()
     want = model.get_weights()
@@ -92,11 +96,11 @@ def test_cli_trains_resumes_at_another_k_and_exports(tmp_path, user_module):
 
 def test_refused_user_models_are_one_line_flag_errors(devices, tmp_path, user_module):
     with pytest.raises(ConfigError, match="fc_tanh"):
-        Trainer(RunConfig(model="user_models:tanh_head", devices=2, steps=1, eval_every=0,
-                          logdir=str(tmp_path / "a")), devices=devices[:2])
+        Trainer(RunConfig.from_flags(model="user_models:tanh_head", devices=2, steps=1, eval_every=0,
+                                     logdir=str(tmp_path / "a")), devices=devices[:2])
     with pytest.raises(ConfigError, match="fc1: width 32 is not divisible by 3"):
-        Trainer(RunConfig(model="user_models:build", devices=3, batch_size=3, steps=1,
-                          eval_every=0, logdir=str(tmp_path / "b")), devices=devices[:3])
+        Trainer(RunConfig.from_flags(model="user_models:build", devices=3, batch_size=3, steps=1,
+                                     eval_every=0, logdir=str(tmp_path / "b")), devices=devices[:3])
     missing = _cli(["owt_tf.train", "--model", str(tmp_path / "none.keras")], tmp_path,
                    str(tmp_path))
     assert missing.returncode == 2

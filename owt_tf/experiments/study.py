@@ -71,7 +71,7 @@ def run_config(args: argparse.Namespace, cell: StudyConfig, seed: int, logdir: s
                num_train: int = 0) -> RunConfig:
     """The run behind one cell and seed; validates once per epoch when num_train is known."""
     eval_every = max(1, round(num_train / (args.batch_size * cell.devices))) if num_train else 0
-    return RunConfig(
+    return RunConfig.from_flags(
         model=args.model, dataset=args.dataset, data_dir=args.data_dir, manual_dir=args.manual_dir,
         devices=cell.devices, scheme=cell.scheme,
         fc_batch=cell.fc_rule if cell.devices > 1 else "global",
@@ -87,7 +87,7 @@ def train_one(config: RunConfig, num_train: int) -> Dict[str, object]:
     from owt_tf.training.guard import NonFiniteError
     from owt_tf.training.loop import Trainer
 
-    trainer = Trainer(config, setup_devices(config.devices, config.device_type))
+    trainer = Trainer(config, setup_devices(config.parallel.devices, config.parallel.device_type))
     started = time.perf_counter()
     try:
         return trainer.fit(log=lambda _: None, progress=False)

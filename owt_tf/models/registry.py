@@ -11,6 +11,14 @@ MODEL_BUILDERS = {
     "vgg_tiny": "owt_tf.models.vgg:vgg_tiny",
 }
 MODEL_NAMES = tuple(MODEL_BUILDERS)
+# The FC layers' widths of each registry model (what must split evenly over K devices),
+# known without building it; tests check them against the built models.
+FC_WIDTHS = {
+    "alexnet": (4096, 4096),
+    "alexnet_tiny": (256, 256),
+    "vgg16": (4096, 4096),
+    "vgg_tiny": (256, 256),
+}
 
 
 def build_model(name: str, num_classes: Optional[int], dropout: float = 0.5, image_size=None,

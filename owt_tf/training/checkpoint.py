@@ -39,6 +39,9 @@ from tensorflow.python.trackable import base as trackable  # _serialize_to_tenso
 from owt_tf.parallel.shards import ShardReader, read_local_shards
 
 CONFIG_FILE = "run_config.json"
+# run_config.json: the config's sections, and under this key what the checkpoints must match
+# (model, dataset, class count).
+IDENTITY_KEY = "identity"
 
 
 class CheckpointMismatch(ValueError):
@@ -202,6 +205,7 @@ class RunCheckpoints:
             return
         with open(path) as f:
             saved = json.load(f)
+        saved = saved.get(IDENTITY_KEY, saved)  # at the top level in runs of earlier versions
         for key, value in self.identity.items():
             if saved.get(key) != value:
                 raise CheckpointMismatch(f"--logdir {logdir} holds a run with {key}="
@@ -212,7 +216,7 @@ class RunCheckpoints:
         os.makedirs(logdir, exist_ok=True)
         tmp = os.path.join(logdir, CONFIG_FILE + ".tmp")
         with open(tmp, "w") as f:
-            json.dump({**config, **self.identity}, f, indent=1, sort_keys=True)
+            json.dump({**config, IDENTITY_KEY: self.identity}, f, indent=1, sort_keys=True)
         os.replace(tmp, os.path.join(logdir, CONFIG_FILE))
 
     def _listed(self) -> Tuple[List[str], bool]:

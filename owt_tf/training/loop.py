@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.config import ConfigError, RunConfig, lr_factor, new_run_dir
+from owt_tf.config import ConfigError, RunConfig, new_run_dir
 from owt_tf.data.datasets import DatasetError, StreamDataset, load_dataset
 from owt_tf.data.stats import settle_normalisation
 from owt_tf.devices import DeviceError, setup_devices
@@ -26,8 +26,9 @@ from owt_tf.parallel.precision import DynamicLossScale
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import CONFIG_FILE, RunCheckpoints
 from owt_tf.training.optim import build_optimizer
-from owt_tf.training.rundir import RunDirLock
+from owt_tf.training.rundir import RunDirLock, RunDirUnusable, check_writable
 from owt_tf.training.serving import export_saved_model
+from owt_tf.training.schedule import lr_factor
 from owt_tf.training.guard import (Interrupted, NonFiniteError, SignalStop, StepSnapshot,
                                    WorkerLost, first_nonfinite, is_peer_failure)
 from owt_tf.training.summaries import RunSummaries
@@ -58,7 +59,8 @@ def _model_spec(config: RunConfig, num_classes: Optional[int]):
     from owt_tf.models.user import UserModelError
 
     try:
-        return build_model(config.model, num_classes, config.dropout, seed=config.seed)
+        return build_model(config.model.model, num_classes, config.model.dropout,
+                           seed=config.run.seed)
     except (UnsupportedModel, UserModelError) as err:
         raise ConfigError("--model", str(err)) from None
 
@@ -92,14 +94,19 @@ class Trainer:
                  read_only: bool = False):
         """`read_only`: only restore and run the model (evaluate, export): no lock, and
         damaged checkpoints are skipped but not moved aside."""
-        self.logdir = config.logdir or new_run_dir()
+        self.logdir = config.run.logdir or new_run_dir()
         # run_config.json and TensorBoard's config text record the directory resolved.
-        self.config = dataclasses.replace(config.validate(), logdir=self.logdir)
+        self.config = config.validate().replace(logdir=self.logdir)
         config = self.config
         self.read_only = read_only
+        if not read_only:
+            try:
+                check_writable(self.logdir)
+            except RunDirUnusable as err:
+                raise ConfigError("--logdir", str(err)) from None
         # The run's writer (the chief of a cluster) locks the logdir before anything else,
         # so a second run on it stops at once; the lock dies with the process.
-        cluster = config.resolved_cluster()
+        cluster = config.cluster.resolved
         writer = not read_only and (cluster is None or cluster.is_chief)
         self.rundir = RunDirLock.take(self.logdir) if writer else None
         try:
@@ -110,28 +117,29 @@ class Trainer:
             raise
 
     def _build(self, config: RunConfig, devices: Optional[Sequence[str]]) -> None:
-        if config.deterministic:
+        if config.run.deterministic:
             # Process-wide, and before any kernel is built: ops without a deterministic
             # implementation then raise instead of silently varying.
             tf.config.experimental.enable_op_determinism()
-        k = config.devices  # this process's; K = k * workers
+        p = config.parallel
+        k = p.devices  # this process's; K = k * workers
         try:
-            self.devices = list(devices or setup_devices(k, config.device_type))[:k]
+            self.devices = list(devices or setup_devices(k, p.device_type))[:k]
         except DeviceError as err:
             raise ConfigError("--devices", str(err)) from None
         # First: a cluster's strategy configures collectives, which must precede any op.
         # Under --scheme auto the plan is chosen below, once the model is known.
         try:
-            self.hybrid = HybridStrategy(self.devices, config.scheme, config.batch_size,
-                                         config.fc_batch, config.fc_exchange, config.loss,
-                                         jit=config.jit, cluster=config.resolved_cluster(),
-                                         precision=config.precision)
+            self.hybrid = HybridStrategy(self.devices, p.scheme, p.batch_size, p.fc_batch,
+                                         p.fc_exchange, p.loss, jit=p.jit,
+                                         cluster=config.cluster.resolved, precision=p.precision)
         except PlanError as err:
             raise ConfigError("--" + err.field.replace("_", "-"), str(err).split(": ", 1)[1]) from None
         probe = _model_spec(config, None)
-        self.dataset = load_dataset(config.dataset, probe.input_shape, seed=config.seed,
-                                    data_dir=config.data_dir, download=config.download,
-                                    manual_dir=config.manual_dir, augment=config.augment)
+        data = config.data
+        self.dataset = load_dataset(data.dataset, probe.input_shape, seed=config.run.seed,
+                                    data_dir=data.data_dir, download=data.download,
+                                    manual_dir=data.manual_dir, augment=data.augment)
         self.input_stats = settle_normalisation(
             self.dataset, self.logdir, writer=self.rundir is not None,
             started_before=os.path.exists(os.path.join(self.logdir, CONFIG_FILE)))
@@ -142,23 +150,24 @@ class Trainer:
             self.hybrid.parallel_plan.check_widths(self.spec.head.hidden, self.hybrid.num_replicas,
                                                    self.spec.head.names[:-1] or None)
         except PlanError as err:
-            raise ConfigError("--devices", f"model {config.model}: {str(err).split(': ', 1)[1]}") from None
-        self.model = self.hybrid.build_model(self.spec, config.seed)
-        self.optimizer = build_optimizer(
-            self.hybrid, self.model, config.conv_lr, config.fc_lr, config.momentum, config.weight_decay)
+            raise ConfigError("--devices", f"model {config.model.model}: "
+                              f"{str(err).split(': ', 1)[1]}") from None
+        self.model = self.hybrid.build_model(self.spec, config.run.seed)
+        self.optimizer = build_optimizer(self.hybrid, self.model, config.conv_lr, config.fc_lr,
+                                         config.optimizer.momentum, config.optimizer.weight_decay)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         # Where the input stream continues (examples read, unreadable ones included) and
         # the run's counts of skipped inputs and steps: checkpointed with the weights.
         self.data_position = tf.Variable(0, dtype=tf.int64, trainable=False, name="data_position")
         self.skipped_images = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_images")
         self.skipped_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="skipped_nonfinite")
-        self.loss_scale = DynamicLossScale() if config.precision == "fp16" else None
+        self.loss_scale = DynamicLossScale() if p.precision == "fp16" else None
         counters = {"data_position": self.data_position, "skipped_images": self.skipped_images,
                     "skipped_nonfinite": self.skipped_steps}
         scale_state = ({} if self.loss_scale is None else
                        {"loss_scale": self.loss_scale.scale,
                         "loss_scale_good_steps": self.loss_scale.good_steps})
-        identity = {"model": config.model, "dataset": config.dataset,
+        identity = {"model": config.model.model, "dataset": config.data.dataset,
                     "num_classes": self.dataset.num_classes}
         self.checkpoints = RunCheckpoints(
             self.logdir, self.model, self.optimizer, self.step, identity,
@@ -186,7 +195,7 @@ class Trainer:
         self._finite_names = self.hybrid.finite_check_names(self.model)
         # fp16 undoes every step whose scaled gradients overflowed, as does --skip-nonfinite.
         self._snapshot = (StepSnapshot(self._state_variables(), strategy)
-                          if config.skip_nonfinite or self.loss_scale is not None else None)
+                          if config.run.skip_nonfinite or self.loss_scale is not None else None)
 
     def _train_input(self, start: int):
         """This process's replicas' rows of the global batches from stream position `start`:
@@ -194,10 +203,10 @@ class Trainer:
         sliced."""
         config = self.config
         if isinstance(self.dataset, StreamDataset):
-            rows = self.dataset.train_rows(config.global_batch_size, config.seed, start,
+            rows = self.dataset.train_rows(config.global_batch_size, config.run.seed, start,
                                            rows=self.hybrid.own_rows)
             return self.hybrid.distribute_own_rows(rows)
-        train = self.dataset.train(config.global_batch_size, config.seed, start=start)
+        train = self.dataset.train(config.global_batch_size, config.run.seed, start=start)
         return self.hybrid.distribute_batches(train)
 
     def _choose_scheme(self, config: RunConfig) -> RunConfig:
@@ -209,7 +218,7 @@ class Trainer:
         try:
             net, note = spec_cost(self.spec), ""
         except Uncountable as err:
-            net, note = None, f"the cost model cannot count model {config.model}: {err}"
+            net, note = None, f"the cost model cannot count model {config.model.model}: {err}"
         choice = self.hybrid.choose_scheme(net, self.spec.head.hidden, note=note)
         print(choice.line, flush=True)
         return config.replace(scheme=choice.scheme, fc_exchange=choice.fc_exchange,
@@ -226,7 +235,7 @@ class Trainer:
 
     # -- compiled bodies ------------------------------------------------------------------
     def _train_step(self, images, labels, with_grads=False):
-        seed = tf.stack([tf.constant(self.config.seed, tf.int64), self.step])
+        seed = tf.stack([tf.constant(self.config.run.seed, tf.int64), self.step])
         out = self.hybrid.train_step(self.model, self.optimizer, images, labels,
                                      tf.cast(seed, tf.int32), with_grads=with_grads,
                                      loss_scale=None if self.loss_scale is None else self.loss_scale.scale)
@@ -254,7 +263,7 @@ class Trainer:
             self._snapshot.restore()  # a scale step, not a guard stop: nothing is counted
             self.loss_scale.update(False)
         elif nonfinite is not None:
-            if int(self.skipped_steps) >= self.config.skip_nonfinite:
+            if int(self.skipped_steps) >= self.config.run.skip_nonfinite:
                 raise NonFiniteError(int(self.step), nonfinite, self.checkpoints.latest)
             self._snapshot.restore()
             self.skipped_steps.assign_add(1)
@@ -350,8 +359,8 @@ class Trainer:
         """Trains up to step `steps` (default: --steps, or --epochs in steps) from wherever
         the run is.
 
-        Validates every config.eval_every steps, writes TensorBoard summaries to the logdir
-        and checkpoints every config.checkpoint_every steps and at the end. SIGINT / SIGTERM
+        Validates every --eval-every steps, writes TensorBoard summaries to the logdir
+        and checkpoints every --checkpoint-every steps and at the end. SIGINT / SIGTERM
         end it after the current step with a checkpoint (`Interrupted`); a non-finite step
         ends it without one (`NonFiniteError`), unless --skip-nonfinite lets it be undone.
         """
@@ -362,15 +371,15 @@ class Trainer:
         if chief and self.rundir is None and not self.read_only:  # a second fit() of this Trainer
             self.rundir = RunDirLock.take(self.logdir)
         if chief:
-            self.checkpoints.write_identity(self.logdir, dataclasses.asdict(config))
+            self.checkpoints.write_identity(self.logdir, config.to_dict())
         if self.resumed_from:
             log(f"resumed from {self.resumed_from} at step {first - 1}")
         if first > steps:
             log(f"nothing to do: the run in {self.logdir} is already at step {first - 1}")
             self._release_rundir()
             return {"steps": first - 1}
-        summaries = RunSummaries(self.logdir if chief else None, config.profile_range())
-        summaries.config(dataclasses.asdict(config))
+        summaries = RunSummaries(self.logdir if chief else None, config.run.profile_steps)
+        summaries.config(config.to_flags())
         summaries.sample_images(self.dataset.sample_images(), first)
         # A live bar on a terminal; in a log file only the periodic lines below.
         verbose = (1 if sys.stdout.isatty() else 0) if progress else 0
@@ -418,7 +427,7 @@ class Trainer:
         ran = steps - first + 1
         done = (f"{steps} steps" if first == 1 else
                 f"steps {first}-{steps} ({ran} this run, {steps} in all)")
-        log(f"done: {done} in {wall:.1f}s | {config.scheme} on "
+        log(f"done: {done} in {wall:.1f}s | {config.parallel.scheme} on "
             f"{self.hybrid.num_replicas} devices{workers} | val top-1 error {ev.top1_error:.2%} "
             f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
             f"{summary['images_per_sec']:.0f} img/s | "
@@ -435,13 +444,13 @@ class Trainer:
     def _export(self, log) -> None:
         """--export-dir: the chief writes the SavedModel (the others join its gather of the
         FC shards)."""
-        if not self.config.export_dir:
+        if not self.config.run.export_dir:
             return
         if not self.hybrid.is_chief:
             self.model.full_weights()
             return
         path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
-                                  self.config.export_dir, dataset=self.config.dataset,
+                                  self.config.run.export_dir, dataset=self.config.data.dataset,
                                   class_names=self.dataset.label_names())
         log(f"exported SavedModel to {path}")
 
@@ -456,15 +465,15 @@ class Trainer:
             history.append(m)
             if m.nonfinite:
                 log(f"step {i}: non-finite {m.nonfinite}; step undone "
-                    f"({int(self.skipped_steps)} of {config.skip_nonfinite} skips used)")
+                    f"({int(self.skipped_steps)} of {config.run.skip_nonfinite} skips used)")
             bar.update(i, [("loss", m.loss), ("error", m.top1_error), ("img/s", m.images_per_sec)])
             if m.stop:
                 saved = self.checkpoints.save(i)
                 # In a cluster a worker may stop for another worker's signal (signum None).
                 raise Interrupted(self._stop.signum, i, saved, self.logdir)
-            if config.checkpoint_every and i % config.checkpoint_every == 0 and i < steps:
+            if config.run.checkpoint_every and i % config.run.checkpoint_every == 0 and i < steps:
                 self.checkpoints.save(i)
-            if config.eval_every and i % config.eval_every == 0 and i < steps:
+            if config.run.eval_every and i % config.run.eval_every == 0 and i < steps:
                 ev = self.evaluate()
                 summaries.validation(i, ev.loss, ev.top1_error, ev.top5_error)
                 val_history.append([i / steps_per_epoch, ev.top1_error])
@@ -474,7 +483,8 @@ class Trainer:
 
     def _run_logged_step(self, i: int, steps: int, summaries: RunSummaries) -> StepMetrics:
         config = self.config
-        histograms = bool(config.histogram_every) and i % config.histogram_every == 0
+        every = config.run.histogram_every
+        histograms = bool(every) and i % every == 0
         steps_per_epoch = self.dataset.num_train / config.global_batch_size
         factor = lr_factor(config, i, steps_per_epoch, steps)
         if factor != self._lr_factor:  # no variable writes per step under a constant rate
@@ -484,7 +494,7 @@ class Trainer:
         # Whole-model gradients exist only in one process (each worker holds its own shards').
         m = self.train_step(with_grads=histograms and self.hybrid.num_workers == 1)
         summaries.after_step(i)
-        if (config.log_every and i % config.log_every == 0) or i == steps:
+        if (config.run.log_every and i % config.run.log_every == 0) or i == steps:
             summaries.train(i, m.loss, m.top1_error, m.images_per_sec, m.bytes_per_step,
                             float(self.optimizer.trunk.learning_rate.numpy()),
                             float(self.optimizer.fc_learning_rate.numpy()))

@@ -1,4 +1,5 @@
-"""One writer per run directory: an exclusive OS lock on `<logdir>/owt_tf.lock`.
+"""The run directory: whether this process can write it (`check_writable`, before a run
+starts) and one writer per run directory: an exclusive OS lock on `<logdir>/owt_tf.lock`.
 
 A run (or the chief of a cluster) takes the lock before it writes anything in its logdir
 and holds it until the process ends. The lock is `fcntl.flock` on an open file: the kernel
@@ -34,6 +35,30 @@ _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 class RunDirBusy(RuntimeError):
     """Another process holds the run directory's lock."""
+
+
+class RunDirUnusable(ValueError):
+    """The run directory is not a directory, or cannot be created or written."""
+
+
+def check_writable(logdir: str) -> None:
+    """Raises RunDirUnusable unless `logdir` is, or can become, a directory this process
+    can write: probed with a file in its nearest existing ancestor, removed at once, so
+    that a run fails before it builds anything and leaves nothing behind."""
+    existing = logdir
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep))
+    existing = existing or "."
+    if not os.path.isdir(existing):
+        where = "is" if existing == logdir else f"is inside {existing}, which is"
+        raise RunDirUnusable(f"{logdir} {where} not a directory")
+    probe = os.path.join(existing, f".owt_tf_write_probe_{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise RunDirUnusable(f"cannot write in {existing}: {err.strerror}") from None
 
 
 class RunDirLock:

@@ -6,11 +6,12 @@ device of this process, read-only: no lock taken, damaged checkpoints left in pl
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Optional, Tuple
 
-from owt_tf.config import RunConfig
+from owt_tf.config import ClusterConfig, RunConfig
 from owt_tf.training.checkpoint import CONFIG_FILE
 from owt_tf.training.loop import Trainer
 from owt_tf.training.serving import ExportError, export_saved_model
@@ -25,13 +26,16 @@ def load_run(logdir: str) -> Trainer:
         raise ExportError(f"--logdir {logdir} has no {CONFIG_FILE}: not an owt_tf run")
     with open(path) as f:
         saved = json.load(f)
-    fields = {k: v for k, v in saved.items() if k in RunConfig.__dataclass_fields__}
-    # One device in this process, whatever the run was (several workers included); the
-    # run's own export target is not this export's.
-    config = RunConfig(**fields).replace(scheme="single", devices=1, fc_batch="global",
-                                         fc_exchange="gather", loss="gathered", logdir=logdir,
-                                         batch_size=min(64, fields.get("batch_size", 64)),
-                                         cluster=None, task_index=None, export_dir=None)
+    # This version's layout, or the flat one of runs written before it.
+    recorded = RunConfig.from_dict(saved)
+    # One device in this process, whatever the run was (several workers included: the
+    # cluster is not resolved, so none is joined); the run's own export target is not this
+    # export's.
+    config = recorded.replace(scheme="single", devices=1, fc_batch="global",
+                              fc_exchange="gather", loss="gathered", logdir=logdir,
+                              batch_size=min(64, recorded.parallel.batch_size),
+                              export_dir=None)
+    config = dataclasses.replace(config, cluster=ClusterConfig())
     trainer = Trainer(config, read_only=True)  # reads only: no lock, damaged ones left in place
     if trainer.resumed_from is None:
         raise ExportError(f"--logdir {logdir} has no checkpoint")
@@ -44,6 +48,6 @@ def export_run(logdir: str, base: str, version: Optional[int] = None,
     Returns (the checkpoint exported, the SavedModel's path)."""
     trainer = load_run(logdir)
     path = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
-                              base, overwrite, trainer.config.dataset,
+                              base, overwrite, trainer.config.data.dataset,
                               trainer.dataset.label_names(), version)
     return trainer.resumed_from, path
