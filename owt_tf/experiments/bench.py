@@ -33,7 +33,7 @@ class BenchRecord:
     model: str
     scheme: str
     devices: int
-    batch_size: int  # per worker
+    batch_size: int  # per replica
     global_batch: int
     fc_batch: str
     fc_exchange: str
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", default="4", help="comma-separated K values, e.g. 1,2,4,8")
     p.add_argument("--schemes", default="single,data,owt-a,owt-b,owt-c",
                    help="comma-separated schemes to measure side by side")
-    p.add_argument("--batch-size", type=int, default=32, help="examples per worker (B)")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per replica (device) per step (B)")
     p.add_argument("--image-size", type=int, default=None, help="input side (none: the model's)")
     p.add_argument("--classes", type=int, default=1000, help="classes of the last FC layer")
     p.add_argument("--fc-batch", default="global", choices=("global", "worker"),
