@@ -1,9 +1,9 @@
 """`python -m owt_tf.bench`: schemes measured side by side, interleaved, in one process.
 
-Every configuration (scheme x K x jit) is built first and warmed up (traced, compiled);
-then timed steps go round-robin over all of them, so slow drift of the machine hits every
-configuration alike. Reported per configuration: median step time and images/s, bytes per
-worker per step from the byte ledger, and peak memory. `single` runs on one device with the
+Every configuration (scheme x K x jit x precision) is built first and warmed up (traced,
+compiled); then timed steps go round-robin over all of them, so slow drift of the machine
+hits every configuration alike. Reported per configuration: median step time and images/s,
+bytes one replica sends per step from the byte ledger, and peak memory. `single` runs on one device with the
 same global batch as the K-device schemes it is compared with.
 
 `--count-only` traces each step without running it and reports the ledger's bytes: how the
