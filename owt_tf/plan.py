@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--classes", type=_positive(int), default=1000)
     p.add_argument("--image-size", type=_positive(int), default=None)
     p.add_argument("--devices", type=device_counts, default=[1, 2, 4, 8], help="K values, e.g. 1,2,4,8")
-    p.add_argument("--batch-size", type=_positive(int), default=128, help="examples per worker (B)")
+    p.add_argument("--batch-size", type=_positive(int), default=128, help="examples per replica (device) per step (B)")
     p.add_argument("--hardware", choices=HARDWARE_NAMES, default="k20-pcie",
                    help="a preset; --flops/--link-bandwidth/--latency override its numbers")
     p.add_argument("--flops", type=_positive(float), help="sustained FLOP/s per device")

@@ -148,7 +148,7 @@ def test_plan_fc_batch_default_is_trains():
     from owt_tf.plan import build_parser
 
     args = build_parser().parse_args([])
-    assert args.fc_batch == RunConfig().fc_batch == "global"
+    assert args.fc_batch == RunConfig().parallel.fc_batch == "global"
     assert (args.fc_exchange, args.loss) == (RunConfig().fc_exchange, RunConfig().loss)
     assert args.dataset == RunConfig().dataset
 

@@ -1,9 +1,9 @@
 """`python -m owt_tf.bench`: schemes measured side by side, interleaved, in one process.
 
-Every configuration (scheme x K x jit) is built first and warmed up (traced, compiled);
-then timed steps go round-robin over all of them, so slow drift of the machine hits every
-configuration alike. Reported per configuration: median step time and images/s, bytes per
-worker per step from the byte ledger, and peak memory. `single` runs on one device with the
+Every configuration (scheme x K x jit x precision) is built first and warmed up (traced,
+compiled); then timed steps go round-robin over all of them, so slow drift of the machine
+hits every configuration alike. Reported per configuration: median step time and images/s,
+bytes one replica sends per step from the byte ledger, and peak memory. `single` runs on one device with the
 same global batch as the K-device schemes it is compared with.
 
 `--count-only` traces each step without running it and reports the ledger's bytes: how the
@@ -33,7 +33,7 @@ class BenchRecord:
     model: str
     scheme: str
     devices: int
-    batch_size: int  # per worker
+    batch_size: int  # per replica
     global_batch: int
     fc_batch: str
     fc_exchange: str
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", default="4", help="comma-separated K values, e.g. 1,2,4,8")
     p.add_argument("--schemes", default="single,data,owt-a,owt-b,owt-c",
                    help="comma-separated schemes to measure side by side")
-    p.add_argument("--batch-size", type=int, default=32, help="examples per worker (B)")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per replica (device) per step (B)")
     p.add_argument("--image-size", type=int, default=None, help="input side (none: the model's)")
     p.add_argument("--classes", type=int, default=1000, help="classes of the last FC layer")
     p.add_argument("--fc-batch", default="global", choices=("global", "worker"),

@@ -182,7 +182,7 @@ class Prediction:
     step_time_s: float
     images_per_sec: float
     speedup: float
-    bytes_per_step: float  # per worker
+    bytes_per_step: float  # sent by one replica
     compute_s: float
     communication_s: float
     hidden_s: float  # communication overlapped with FC compute

@@ -31,7 +31,7 @@ _scatter = coll.engine_reduce_scatter_cost  # an all-reduce from K = 12 on (TF's
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """`calls` launches of one collective, `nbytes` sent per worker for all of them together."""
+    """`calls` launches of one collective, `nbytes` sent per replica for all of them together."""
 
     purpose: str
     nbytes: Fraction
@@ -107,7 +107,7 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
 def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,
                  fc_exchange: str = "gather", loss: str = "gathered",
                  precision: str = "fp32") -> Dict[str, Fraction]:
-    """Bytes per worker per step by purpose (keys of collectives.PURPOSES)."""
+    """Bytes one replica sends per step, by purpose (keys of collectives.PURPOSES)."""
     out = {p: Fraction(0) for p in coll.PURPOSES}
     for t in step_transfers(net, scheme, k, batch_size, fc_exchange, loss, precision=precision):
         out[t.purpose] += t.nbytes

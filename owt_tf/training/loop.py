@@ -431,7 +431,7 @@ class Trainer:
             f"{self.hybrid.num_replicas} devices{workers} | val top-1 error {ev.top1_error:.2%} "
             f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
             f"{summary['images_per_sec']:.0f} img/s | "
-            f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/worker | checkpoint {saved}")
+            f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/replica | checkpoint {saved}")
         return summary
 
     def _release_rundir(self) -> None:
