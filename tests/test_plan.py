@@ -149,8 +149,8 @@ def test_plan_fc_batch_default_is_trains():
 
     args = build_parser().parse_args([])
     assert args.fc_batch == RunConfig().parallel.fc_batch == "global"
-    assert (args.fc_exchange, args.loss) == (RunConfig().fc_exchange, RunConfig().loss)
-    assert args.dataset == RunConfig().dataset
+    assert (args.fc_exchange, args.loss) == (RunConfig().parallel.fc_exchange, RunConfig().parallel.loss)
+    assert args.dataset == RunConfig().data.dataset
 
 
 def test_recommendation_is_a_table_row_and_a_runnable_command():
