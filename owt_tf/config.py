@@ -378,6 +378,10 @@ class RunConfig:
         k = self.num_replicas
         with _as_flag_error():
             plan.check_devices(k).check_batch(k, p.batch_size)
+        if p.scheme == AUTO and self.num_workers > 1:
+            raise ConfigError("--scheme", "'auto' needs one process: each worker of a cluster "
+                              "would price its own hardware; give the scheme (python -m "
+                              "owt_tf.plan --recommend suggests one)")
         self._check_model_fits()
         self._check_run()
         return self

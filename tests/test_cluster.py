@@ -75,6 +75,14 @@ def test_launcher_flags_and_addresses():
     assert parsed.worker_id == 3 and parsed.task_name_of(3) == "/job:worker/task:3"
 
 
+def test_launch_refuses_scheme_auto_before_starting_workers():
+    """Each worker would price its own hardware: refused once, by the launcher's check."""
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    with pytest.raises(launch.LaunchError, match="--scheme: 'auto' needs one process"):
+        launch.check_train_flags(launch.worker_flags(["--scheme", "auto"], 1, "runs/x"), addresses)
+    launch.check_train_flags(launch.worker_flags(["--scheme", "owt-a"], 1, "runs/x"), addresses)
+
+
 def test_join_bound_from_the_environment():
     from owt_tf.cluster import DEFAULT_JOIN_TIMEOUT_S, join_timeout_s
 
