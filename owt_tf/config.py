@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from owt_tf.cluster import Cluster, ClusterError, resolve_cluster
 from owt_tf.parallel.plan import (AUTO, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS,
-                                  SCHEMES, ParallelPlan, PlanError)
+                                  SCHEMES, ParallelPlan, PlanError, check_auto_processes)
 
 LR_SCALINGS = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "step", "cosine")
@@ -378,10 +378,8 @@ class RunConfig:
         k = self.num_replicas
         with _as_flag_error():
             plan.check_devices(k).check_batch(k, p.batch_size)
-        if p.scheme == AUTO and self.num_workers > 1:
-            raise ConfigError("--scheme", "'auto' needs one process: each worker of a cluster "
-                              "would price its own hardware; give the scheme (python -m "
-                              "owt_tf.plan --recommend suggests one)")
+        with _as_flag_error():
+            check_auto_processes(p.scheme, self.num_workers)
         self._check_model_fits()
         self._check_run()
         return self

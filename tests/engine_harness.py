@@ -41,6 +41,16 @@ def _he_over_glorot(shape) -> np.float32:
     return np.float32(np.sqrt(6.0 / np.prod(shape[:-1])) / glorot_limit(tuple(shape)))
 
 
+def every_copy(trainer):
+    """Each state variable's value of a Trainer on every device it lives on (mirrored: one
+    per replica): what undoing a step must restore exactly."""
+    from owt_tf.training.guard import is_mirrored
+
+    strategy = trainer.hybrid.strategy
+    return [np.array(x) for v in trainer._state_variables()
+            for x in strategy.experimental_local_results(v.value if is_mirrored(v) else v)]
+
+
 def random_batches(steps: int, global_batch: int, classes: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return [(rng.normal(size=(global_batch, 32, 32, 3)).astype(np.float32),

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import owt_tf
-from engine_harness import CONV_LR, FC_LR, MOMENTUM, WD, compare_with_reference, random_batches
+from engine_harness import (CONV_LR, FC_LR, MOMENTUM, WD, compare_with_reference, every_copy,
+                            random_batches)
 from keras_models import alexnet_like, copy_of, dataset, random_data
 from owt_tf.models import build_model
 from owt_tf.models.split import UnsupportedModel
@@ -130,33 +131,29 @@ def test_fp16_overflow_is_a_scale_step_not_a_stop(devices, tmp_path):
     """A loss scale so large that every gradient overflows float16: the step is undone
     exactly, the scale halves, no skip is counted, and training goes on once it fits."""
     from owt_tf.config import RunConfig
-    from owt_tf.training.guard import is_mirrored
     from owt_tf.training.loop import Trainer
 
-    config = RunConfig.from_flags(devices=2, scheme="owt-b", batch_size=8, steps=10, precision="fp16",
-                       eval_every=0, logdir=str(tmp_path / "run"))
+    config = RunConfig.from_flags(devices=2, scheme="owt-b", batch_size=8, steps=10,
+                                  precision="fp16", eval_every=0, logdir=str(tmp_path / "run"))
     trainer = Trainer(config, devices=devices[:2])
     assert trainer.model.trunk.layers[0].dtype_policy.name == "mixed_float16"
     trainer.loss_scale.scale.assign(2.0 ** 40)
 
-    def every_copy():
-        strategy = trainer.hybrid.strategy
-        return [np.array(x) for v in trainer._state_variables()
-                for x in strategy.experimental_local_results(v.value if is_mirrored(v) else v)]
-
-    before = every_copy()
+    before = every_copy(trainer)
     m = trainer.train_step()
-    assert m.nonfinite is not None and int(trainer.skipped_steps) == 0
+    assert m.overflowed and m.nonfinite is None and int(trainer.skipped_steps) == 0
     assert float(trainer.loss_scale.scale.numpy()) == 2.0 ** 39
-    assert all(np.array_equal(b, a) for b, a in zip(before, every_copy()))
+    assert all(np.array_equal(b, a) for b, a in zip(before, every_copy(trainer)))
     for _ in range(40):  # halves until the scaled gradients fit in float16
-        if trainer.train_step().nonfinite is None:
+        m = trainer.train_step()
+        assert m.nonfinite is None and int(trainer.skipped_steps) == 0
+        if not m.overflowed:
             break
     else:
         pytest.fail("the loss scale never came down to a finite step")
     scale = float(trainer.loss_scale.scale.numpy())
     assert scale < 2.0 ** 39 and int(trainer.loss_scale.good_steps.numpy()) == 1
-    assert any(not np.array_equal(b, a) for b, a in zip(before, every_copy()))
+    assert any(not np.array_equal(b, a) for b, a in zip(before, every_copy(trainer)))
 
 
 def test_a_run_changes_precision_when_it_resumes(devices, tmp_path):
@@ -166,7 +163,7 @@ def test_a_run_changes_precision_when_it_resumes(devices, tmp_path):
     from owt_tf.training.loop import Trainer
 
     config = RunConfig.from_flags(devices=2, batch_size=8, eval_every=0, logdir=str(tmp_path),
-                       histogram_every=0)
+                                  histogram_every=0)
     quiet = dict(log=lambda line: None, progress=False)
     Trainer(config.replace(steps=2), devices=devices[:2]).fit(**quiet)
     fp16 = Trainer(config.replace(steps=4, precision="fp16"), devices=devices[:2])
@@ -236,9 +233,10 @@ def test_a_bf16_run_exports_a_float32_serving_graph(devices, tmp_path):
     from owt_tf.config import RunConfig
     from owt_tf.training.loop import Trainer
 
-    config = RunConfig.from_flags(devices=2, batch_size=8, steps=2, eval_every=0, precision="bf16",
-                       histogram_every=0, logdir=str(tmp_path / "run"),
-                       export_dir=str(tmp_path / "models"))
+    config = RunConfig.from_flags(devices=2, batch_size=8, steps=2, eval_every=0,
+                                  precision="bf16", histogram_every=0,
+                                  logdir=str(tmp_path / "run"),
+                                  export_dir=str(tmp_path / "models"))
     trainer = Trainer(config, devices=devices[:2])
     trainer.fit(log=lambda line: None, progress=False)
     export = tmp_path / "models" / "1"

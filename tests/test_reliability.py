@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from engine_harness import every_copy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 12
 RUN = ["--steps", str(STEPS), "--eval-every", "0", "--checkpoint-every", "3", "--deterministic",
@@ -142,7 +144,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 def test_skip_nonfinite_undoes_the_step_exactly(devices, tmp_path):
     from owt_tf.config import RunConfig
-    from owt_tf.training.guard import NonFiniteError, is_mirrored
+    from owt_tf.training.guard import NonFiniteError
     from owt_tf.training.loop import Trainer
 
     config = RunConfig.from_flags(devices=2, scheme="owt-b", fc_batch="worker", batch_size=8, steps=10,
@@ -161,19 +163,13 @@ def test_skip_nonfinite_undoes_the_step_exactly(devices, tmp_path):
     trainer._train_batches = Poisoned()
     for _ in range(2):
         assert trainer.train_step().nonfinite is None
-    def every_copy():
-        """Each variable's value on every device it lives on (mirrored: one per replica)."""
-        strategy = trainer.hybrid.strategy
-        return [np.array(x) for v in trainer._state_variables()
-                for x in strategy.experimental_local_results(v.value if is_mirrored(v) else v)]
-
-    before = every_copy()
+    before = every_copy(trainer)
     m = trainer.train_step()
     # NaN pixels: ReLU and max-pool drop them forward (the loss stays finite), but conv1's
     # kernel gradient multiplies by them
     assert m.nonfinite == "gradient of alexnet_tiny_trunk/conv1/kernel" and int(trainer.skipped_steps) == 1
     assert int(trainer.step) == 3
-    after = every_copy()
+    after = every_copy(trainer)
     assert len(after) > len(trainer._state_variables())  # the mirrored ones counted per replica
     assert all(np.array_equal(b, a) for b, a in zip(before, after))
     with pytest.raises(NonFiniteError, match="step 4: non-finite gradient of .*conv1/kernel"):

@@ -21,7 +21,6 @@ from typing import Optional, Sequence
 from owt_tf.models.cost import NetworkCost
 from owt_tf.parallel.cost_model import (OWT_SCHEMES, Hardware, Prediction, preset, rank,
                                         runner_up)
-from owt_tf.parallel.plan import AUTO  # noqa: F401 -- the request this module resolves
 # Which preset prices a GPU, by a part of its name (tf.config.experimental.get_device_details).
 GPU_PRESETS = (("H200", "h200-nvlink"), ("H100", "h100-nvlink"), ("K20", "k20-pcie"))
 DEFAULT_GPU_PRESET = "h100-nvlink"
@@ -67,10 +66,9 @@ def choose(net: Optional[NetworkCost], hw: Hardware, k: int, batch_size: int,
            fc_batch: str = "global", schemes: Sequence[str] = OWT_SCHEMES,
            hidden: Sequence[int] = (), note: str = "", precision: str = "fp32") -> AutoChoice:
     """The fastest of `schemes` at K for `net` on `hw` under the FC batch mode `fc_batch`
-    and `precision`
-    (`rank`'s first row), with the runner-up. `net` None (a model the cost model cannot
-    count; `note` says why): FALLBACK_SCHEME, or data when the hidden FC widths `hidden`
-    do not split K ways, or single at K = 1."""
+    and `precision` (`rank`'s first row), with the runner-up. `net` None (a model the cost
+    model cannot count; `note` says why): FALLBACK_SCHEME, or data when the hidden FC widths
+    `hidden` do not split K ways, or single at K = 1."""
     if net is not None:
         ranked = rank(net, hw, k, batch_size, fc_batches=(fc_batch,), schemes=schemes,
                       precision=precision)

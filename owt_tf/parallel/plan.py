@@ -40,6 +40,15 @@ PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 VALUE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of one activation in each
 
 
+def check_auto_processes(scheme: str, num_workers: int) -> None:
+    """'auto' is chosen per process, from the hardware it measures: the workers of a cluster
+    could choose differently, so it needs one process."""
+    if str(scheme) == AUTO and num_workers > 1:
+        raise PlanError("scheme", "'auto' needs one process: each worker of a cluster would "
+                        "price its own hardware; give the scheme (python -m owt_tf.plan "
+                        "--recommend suggests one)")
+
+
 class PlanError(ValueError):
     """A plan that cannot work; `field` names the ParallelPlan field (or 'devices',
     'batch_size', 'model') at fault."""

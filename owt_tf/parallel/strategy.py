@@ -37,7 +37,7 @@ from owt_tf.parallel import collectives as coll
 from owt_tf.models.cost import NetworkCost
 from owt_tf.parallel.auto import DEFAULT_BATCH, AutoChoice, choose, run_hardware
 from owt_tf.parallel.cost_model import OWT_SCHEMES
-from owt_tf.parallel.plan import AUTO, ParallelPlan, PlanError
+from owt_tf.parallel.plan import AUTO, ParallelPlan, PlanError, check_auto_processes
 from owt_tf.parallel.precision import keras_policy
 from owt_tf.parallel.schemes import SchemePlan
 from owt_tf.parallel.shards import ShardedHead, ShardReader, assemble, read_local_shards
@@ -101,9 +101,7 @@ class HybridStrategy:
                  fc_exchange: str = "gather", loss: str = "gathered", jit: bool = False,
                  cluster: Optional[Cluster] = None, precision: str = "fp32"):
         auto = str(scheme) == AUTO
-        if auto and cluster is not None and cluster.num_workers > 1:
-            raise PlanError("scheme", "'auto' needs one process: each worker of a cluster "
-                            "would price its own hardware; give the scheme")
+        check_auto_processes(scheme, cluster.num_workers if cluster is not None else 1)
         # Until choose_scheme: owt-b's plan checks the flags auto keeps (fc_batch, jit).
         self.parallel_plan = ParallelPlan("owt-b" if auto else scheme, fc_batch, fc_exchange,
                                           loss, jit, precision)

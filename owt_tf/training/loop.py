@@ -42,6 +42,7 @@ class StepMetrics:
     bytes_per_step: float
     grads: Optional[Dict[str, np.ndarray]] = None
     nonfinite: Optional[str] = None  # what was not finite, when this step was undone
+    overflowed: bool = False  # fp16: the scaled gradients overflowed; undone, the scale halved
     stop: bool = False  # a stop was requested (by any worker of a cluster) by this step's end
 
 
@@ -258,8 +259,9 @@ class Trainer:
         finite, end, stop, unreadable = self._agree(out["finite"].numpy(),
                                                     self._stream_end(positions), unreadable)
         self._advance_data_position(end, unreadable)
-        nonfinite = first_nonfinite(finite, self._finite_names)
-        if self._overflowed_loss_scale(finite):
+        overflowed = self._overflowed_loss_scale(finite)
+        nonfinite = None if overflowed else first_nonfinite(finite, self._finite_names)
+        if overflowed:
             self._snapshot.restore()  # a scale step, not a guard stop: nothing is counted
             self.loss_scale.update(False)
         elif nonfinite is not None:
@@ -273,7 +275,7 @@ class Trainer:
         grads = self.hybrid.assemble_grads(self.model, out) if with_grads else None
         return StepMetrics(loss, 1.0 - int(out["correct"]) / count,
                            self.config.global_batch_size / seconds,
-                           float(self.hybrid.ledger.total), grads, nonfinite, stop)
+                           float(self.hybrid.ledger.total), grads, nonfinite, overflowed, stop)
 
     def _count_decodes(self, failed) -> int:
         """Adds this process's rows' decodes to `decoded_images`; returns how many of its rows'
