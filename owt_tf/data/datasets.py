@@ -280,40 +280,88 @@ class StreamDataset:
         batches = indexed.batch(global_batch, drop_remainder=True)
 
         def own_rows(positions, records, draws):
-            batch = tf.data.Dataset.from_tensors((positions, records, draws)).repeat(count)
-            return tf.data.Dataset.zip((tf.data.Dataset.range(first, first + count), batch))
+            return self._own_rows(first, count, positions, records, draws, global_batch)
 
-        def row_image(row, batch):
-            return self._row_image(row, *batch, global_batch=global_batch)
-
-        # One element per row, in row order (deterministic, block_length 1), decoded in parallel.
-        ds = batches.flat_map(own_rows).interleave(
-            row_image, cycle_length=tf.data.AUTOTUNE, block_length=1,
-            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        ds = ds.batch(count, drop_remainder=True)
+        # One element per global batch (its rows assembled), in order, batches in parallel.
+        ds = batches.interleave(own_rows, cycle_length=tf.data.AUTOTUNE, block_length=1,
+                                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return ds.map(self._augment_batch, num_parallel_calls=tf.data.AUTOTUNE,
                       deterministic=True).prefetch(2)
 
+    def _own_rows(self, first, count, positions, records, draws,
+                  global_batch: int) -> tf.data.Dataset:
+        """Rows first ... first+count-1 of one global batch, as a dataset of exactly one
+        (crops, labels, positions, flips, lighting, failed) with `count` rows. Every row's
+        own record is decoded in one parallel map; only rows whose own record failed take
+        the per-row path of substitutes (`_row_image`). A nested dataset per row costs
+        about a third of decoding its crop, so the common case builds none (`bench --input`:
+        0.59x -> 0.75x the bare decode rate)."""
+        files, labels = records
+        rows = tf.range(first, first + count, dtype=tf.int64)
+
+        def own_record(row):
+            crop, label, position, flip, lighting = self._train_crop(
+                positions[row], (files[row], labels[row]), self._row_draws(draws, row))
+            return row, crop, label, position, flip, lighting, tf.constant(0, tf.int64)
+
+        decoded = tf.data.Dataset.from_tensor_slices(rows).map(
+            own_record, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        decoded = decoded.ignore_errors(log_warning=True)
+        # A row -1 marks the end, so that the batch below exists even when no row decoded.
+        end = self._empty_row(-1, positions[0], self._row_draws(draws, 0), 0)
+        survivors = decoded.concatenate(tf.data.Dataset.from_tensors(end)).batch(count + 1)
+
+        def with_substitutes(*survivors):
+            kept = tuple(t[:-1] for t in survivors)
+            present = tf.reduce_any(tf.equal(rows[:, None], kept[0][None, :]), axis=1)
+            missing = tf.boolean_mask(rows, tf.logical_not(present))
+            substitutes = tf.data.Dataset.from_tensor_slices(missing).flat_map(
+                lambda row: self._row_image(row, positions, records, draws, global_batch))
+            none = tf.data.Dataset.from_tensors(tuple(t[:0] for t in kept))
+            extra = substitutes.batch(count).concatenate(none).take(1)
+            return extra.map(lambda *extra: self._merged_in_row_order(kept, extra))
+
+        return survivors.flat_map(with_substitutes)
+
+    @staticmethod
+    def _merged_in_row_order(kept, extra):
+        """The rows that decoded their own record and the substituted ones, in row order,
+        the row column dropped (no copy when nothing was substituted)."""
+        def merge():
+            rows = tf.concat([kept[0], extra[0]], 0)
+            order = tf.argsort(rows)
+            return tuple(tf.gather(tf.concat([k, e], 0), order)
+                         for k, e in zip(kept[1:], extra[1:]))
+
+        return tf.cond(tf.size(extra[0]) > 0, merge, lambda: kept[1:])
+
+    @staticmethod
+    def _row_draws(draws, row) -> TrainDraws:
+        return TrainDraws(draws.corner[row], draws.flip[row], draws.lighting[row])
+
+    def _empty_row(self, row, position, draws: TrainDraws, failed):
+        crop = tf.zeros(self.image_shape, tf.float32 if self.augment == "none" else tf.uint8)
+        return (tf.cast(row, tf.int64), crop, tf.constant(0, tf.int32), position, draws.flip,
+                draws.lighting, tf.cast(failed, tf.int64))
+
     def _row_image(self, row, positions, records, draws, global_batch: int) -> tf.data.Dataset:
-        """One row of a global batch, as a dataset of exactly one (crop, label, position,
-        flip, lighting, failed): the row's own record, else the next of the batch that
-        decodes (tried one at a time, lazily), else zeros with failed = global_batch."""
+        """A row whose own record did not decode, as a dataset of exactly one (row, crop,
+        label, position, flip, lighting, failed): the next record of the batch that decodes
+        (tried one at a time, lazily), else zeros with failed = global_batch."""
         files, labels = records
         position = positions[row]
-        own = TrainDraws(draws.corner[row], draws.flip[row], draws.lighting[row])
+        own = self._row_draws(draws, row)
 
         def candidate(tried):
             i = (row + tried) % global_batch
             crop, label, _, flip, lighting = self._train_crop(
                 position, (files[i], labels[i]), own)
-            return crop, label, position, flip, lighting, tried
+            return row, crop, label, position, flip, lighting, tried
 
         def nothing_decodes(_):
-            crop = tf.zeros(self.image_shape, tf.float32 if self.augment == "none" else tf.uint8)
-            return (crop, tf.constant(0, tf.int32), position, own.flip, own.lighting,
-                    tf.constant(global_batch, tf.int64))
+            return self._empty_row(row, position, own, global_batch)
 
-        tries = tf.data.Dataset.range(global_batch).map(candidate).ignore_errors(log_warning=True)
+        tries = tf.data.Dataset.range(1, global_batch).map(candidate).ignore_errors(log_warning=True)
         return tries.concatenate(tf.data.Dataset.range(1).map(nothing_decodes)).take(1)
 
     def _train_crop(self, position, item, draws):

@@ -264,9 +264,21 @@ def _timed_batches(iterator, batches: int) -> float:
     return time.perf_counter() - start
 
 
+def _timed_run(dataset, warmup: int, batches: int) -> float:
+    """Seconds for `batches` batches of a fresh iterator after `warmup` untimed ones. Fresh
+    for every round: an iterator left idle while the other pipeline is timed fills its
+    buffers, and the batches it holds would come free in its next round."""
+    iterator = iter(dataset)
+    _timed_batches(iterator, max(warmup, 1))
+    seconds = _timed_batches(iterator, batches)
+    del iterator
+    return seconds
+
+
 def run_input_bench(args) -> List[InputRecord]:
     """Training batches and bare decoding of the same records, timed in alternating rounds
-    (`--steps` batches each, three rounds) after `--warmup` batches of each."""
+    (`--steps` batches each, three rounds, each from a fresh iterator after `--warmup`
+    batches)."""
     import tensorflow as tf
 
     from owt_tf.data.datasets import DatasetError, StreamDataset, load_dataset
@@ -284,14 +296,12 @@ def run_input_bench(args) -> List[InputRecord]:
     # Only the shape leaves the map, so the batches are as cheap to move as the training ones.
     bare = data.decoded_train_records(seed=0).map(lambda image, label: tf.shape(image))
     bare = bare.batch(global_batch, drop_remainder=True).prefetch(2)
-    pipelines = {"training": iter(training), "bare decode": iter(bare)}
-    for it in pipelines.values():
-        _timed_batches(it, max(args.warmup, 1))
+    pipelines = {"training": training, "bare decode": bare}
     seconds = dict.fromkeys(pipelines, 0.0)
     rounds = 3
     for _ in range(rounds):
-        for name, it in pipelines.items():
-            seconds[name] += _timed_batches(it, args.steps)
+        for name, dataset in pipelines.items():
+            seconds[name] += _timed_run(dataset, args.warmup, args.steps)
     cores = len(os.sched_getaffinity(0))
     images = rounds * args.steps * global_batch
     return [InputRecord(args.input, name, side, global_batch, images, t, images / t,
