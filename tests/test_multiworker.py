@@ -365,6 +365,13 @@ def _decoded_lines(output):
     return {int(w): (int(n), int(m)) for w, n, m in found}
 
 
+def _final_validation(output):
+    """(top-1 %, top-5 %, loss) from a run's `done:` line."""
+    found = re.search(r"val top-1 error ([\d.]+)% top-5 ([\d.]+)% loss ([\d.]+)", output)
+    assert found, output[-3000:]
+    return found.group(1), found.group(2), float(found.group(3))
+
+
 @pytest.mark.slow
 def test_folder_with_corrupt_images_equals_one_process_and_resumes(tmp_path):
     """2 workers x 2 devices on a folder: dataset with unreadable images, run as two
@@ -374,6 +381,7 @@ def test_folder_with_corrupt_images_equals_one_process_and_resumes(tmp_path):
     from test_own_rows import corrupt_folder
 
     root = corrupt_folder(tmp_path / "data")  # 6 of 30 training images unreadable
+    (root / "validation" / "b" / "2.png").write_bytes(b"not an image")  # 6 of 7 readable
     batch, steps = 2, 6
     flags = ["--dataset", f"folder:{root}", "--scheme", "owt-b", "--batch-size", str(batch),
              "--lr", str(LR), "--augment", "alexnet", *COMMON[2:], "--checkpoint-every", "3"]
@@ -396,6 +404,11 @@ def test_folder_with_corrupt_images_equals_one_process_and_resumes(tmp_path):
                 assert np.max(np.abs(got[name] - want[name])) <= 1e-5 * scale, (step, name)
             else:
                 assert np.array_equal(got[name], want[name]), (step, name)
+    # Validation: each worker decodes only its rows of each batch (an unreadable image is a
+    # padding row), and the metrics are the one process's.
+    want_eval = _final_validation(proc.stdout)
+    got_eval = _final_validation(runs[1].stdout)
+    assert got_eval[:2] == want_eval[:2] and abs(got_eval[2] - want_eval[2]) <= 2e-4, (got_eval, want_eval)
     final = _tensors(cluster, steps)
     assert int(final["data_position/.ATTRIBUTES/VARIABLE_VALUE"]) == steps * K * batch
     assert int(final["skipped_images/.ATTRIBUTES/VARIABLE_VALUE"]) > 0

@@ -121,3 +121,42 @@ def test_a_global_batch_without_a_readable_image_stops_before_its_step(tmp_path)
     with pytest.raises(DatasetError, match="none of the 4 training images of the global batch"):
         trainer.fit(log=lambda line: None, progress=False)
     assert int(trainer.step) == first_empty
+
+
+def _val_batches(ds, global_batch, rows=None):
+    return [[t.numpy() for t in b] for b in ds.validation_rows(global_batch, rows)]
+
+
+def test_validation_rows_of_any_split_make_the_whole_batch_and_hold_every_readable_image(tmp_path):
+    """Validation rows put back together are the whole global batches; the non-padding rows
+    are exactly the readable validation images, each center-cropped as eval_preprocess does,
+    and an unreadable one is a padding row (label -1) in its own place."""
+    from owt_tf.data.preprocess import eval_preprocess
+
+    root = corrupt_folder(tmp_path / "d", labels=("a", "b", "c", "d", "e"))  # 10 val images
+    bad = root / "validation" / "b" / "0.png"
+    bad.write_bytes(b"not an image")
+    ds = load_dataset(f"folder:{root}", (32, 32, 3))
+    whole = _val_batches(ds, 4)
+    assert len(whole) == 3  # 10 images: two whole batches and one padded
+    labels = np.concatenate([b[1] for b in whole])
+    images = np.concatenate([b[0] for b in whole])
+    assert labels.shape == (12,) and np.count_nonzero(labels >= 0) == 9
+    assert labels[2] == -1 and (labels[10:] == -1).all()  # b/0.png is the third file
+    assert not images[labels < 0].any()
+    want = []
+    for label, name in enumerate("abcde"):
+        for f in sorted((root / "validation" / name).iterdir()):
+            if f != bad:
+                pixels = tf.io.decode_image(f.read_bytes(), channels=3, expand_animations=False)
+                want.append((label, eval_preprocess(pixels[None], (32, 32), ds.mean, ds.std)[0]))
+    for (label, image), got_label, got in zip(want, labels[labels >= 0], images[labels >= 0]):
+        assert got_label == label
+        np.testing.assert_allclose(got, image.numpy(), atol=1e-6)
+    for workers in (2, 4):
+        rows = 4 // workers
+        parts = [_val_batches(ds, 4, (w * rows, rows)) for w in range(workers)]
+        for step, want_batch in enumerate(whole):
+            for i in range(2):
+                got = np.concatenate([part[step][i] for part in parts])
+                np.testing.assert_array_equal(got, want_batch[i], err_msg=f"{workers} workers")

@@ -412,21 +412,47 @@ class StreamDataset:
                            "decoded")
 
     def validation(self, global_batch: int) -> tf.data.Dataset:
-        """One pass, center crops; the last batch is padded with label -1."""
+        """One pass, center crops, in whole global batches: the last one padded with zeros
+        labelled -1, as is the row of an image that cannot be decoded (left out of every
+        metric, as if it were not there). `validation_rows` with every row."""
+        return self.validation_rows(global_batch)
+
+    def validation_rows(self, global_batch: int,
+                        rows: Optional[Tuple[int, int]] = None) -> tf.data.Dataset:
+        """Rows first ... first+count-1 (`rows`, default all) of each validation global
+        batch as (images, labels): only those rows' records are decoded. A row past the end
+        of the split or whose image does not decode is zeros labelled -1, so that a row's
+        content depends on its own record alone and every worker's rows agree."""
+        first, count = rows or (0, global_batch)
         h, w, c = self.image_shape
 
-        def center(image, label):
-            return eval_preprocess(image[None], (h, w), self.mean, self.std)[0], label
+        def center(row, image, label):
+            return row, eval_preprocess(image[None], (h, w), self.mean, self.std)[0], label
 
-        def pad(x, y):  # whole global batches, so that every replica gets its rows
-            missing = global_batch - tf.shape(y)[0]
-            x = tf.concat([x, tf.zeros([missing, h, w, c])], 0)
-            y = tf.concat([y, -tf.ones([missing], tf.int32)], 0)
-            return tf.ensure_shape(x, [global_batch, h, w, c]), tf.ensure_shape(y, [global_batch])
+        def own_rows(records, labels):
+            end = tf.clip_by_value(tf.shape(labels, tf.int64)[0], first, first + count)
+            present = tf.range(tf.constant(first, tf.int64), end)
 
-        ds = self._val_records().map(self._decode, num_parallel_calls=tf.data.AUTOTUNE)
-        ds = ds.ignore_errors(log_warning=True).map(center, num_parallel_calls=tf.data.AUTOTUNE)
-        return ds.batch(global_batch).map(pad).prefetch(2)
+            def decode_row(row):
+                return center(row, *self._decode(records[row], labels[row]))
+
+            decoded = tf.data.Dataset.from_tensor_slices(present).map(
+                decode_row, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            decoded = decoded.ignore_errors(log_warning=True).batch(count)
+            none = tf.data.Dataset.from_tensors((tf.zeros([0], tf.int64), tf.zeros([0, h, w, c]),
+                                                 tf.zeros([0], tf.int32)))
+            return decoded.concatenate(none).take(1).map(in_place)
+
+        def in_place(decoded_rows, images, labels):
+            at = (decoded_rows - first)[:, None]
+            images = tf.scatter_nd(at, images, [count, h, w, c])
+            labels = tf.scatter_nd(at, labels + 1, [count]) - 1
+            return images, labels
+
+        batches = self._val_records().batch(global_batch)
+        return batches.interleave(own_rows, cycle_length=tf.data.AUTOTUNE, block_length=1,
+                                  num_parallel_calls=tf.data.AUTOTUNE,
+                                  deterministic=True).prefetch(2)
 
     def sample_images(self, count: int = 8) -> np.ndarray:
         size = self.image_shape[:2]

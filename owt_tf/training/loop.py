@@ -210,6 +210,15 @@ class Trainer:
         train = self.dataset.train(config.global_batch_size, config.run.seed, start=start)
         return self.hybrid.distribute_batches(train)
 
+    def _validation_input(self):
+        """This process's replicas' rows of the validation global batches: a streamed dataset
+        decodes only this process's rows."""
+        batch = self.config.global_batch_size
+        if isinstance(self.dataset, StreamDataset):
+            rows = self.dataset.validation_rows(batch, rows=self.hybrid.own_rows)
+            return self.hybrid.distribute_own_rows(rows)
+        return self.hybrid.distribute_batches(self.dataset.validation(batch))
+
     def _choose_scheme(self, config: RunConfig) -> RunConfig:
         """--scheme auto: the planner's choice for this model, K, batch and hardware (one
         line says what and why); the config from here on, run_config.json included, names
@@ -332,8 +341,7 @@ class Trainer:
     def evaluate(self) -> EvalMetrics:
         """Loss and top-1/top-5 error over the whole validation split."""
         totals = {"loss_sum": 0.0, "correct": 0, "correct_top5": 0, "count": 0}
-        val = self.dataset.validation(self.config.global_batch_size)
-        for images, labels in self.hybrid.distribute_batches(val):
+        for images, labels in self._validation_input():
             out = self._eval_fn(images, labels)
             for key in totals:
                 totals[key] += out[key].numpy()
