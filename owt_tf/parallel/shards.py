@@ -95,17 +95,49 @@ class ShardedDense(tf.Module):
         bias = tf.concat(bs, axis=0)
         return kernel[:, :self.out_dim], bias[:self.out_dim]
 
-    def forward_shard(self, x: tf.Tensor, k: int) -> tf.Tensor:
-        """x @ kernel_k + bias_k in x's dtype (float32 weights are cast, as Keras' mixed
-        precision does: their gradients stay float32). For ROW, x is this shard's input slice
-        and the bias slice lands on its own columns, so the all-reduce that follows adds
-        every bias once."""
-        kernel, bias = (tf.cast(v, x.dtype) for v in (self.kernels[k], self.biases[k]))
-        y = tf.matmul(x, kernel)
-        if self.split == COL:
-            return y + bias
-        width = self.out_dim // self.num_shards
-        return y + tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])
+    def forward_shard_rounds(self, xs: Sequence[tf.Tensor], k: int,
+                             rounds: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
+        """x @ kernel_k + bias_k for every round's rows x in xs, in x's dtype (float32
+        weights are cast, as Keras' mixed precision does: their gradients stay float32).
+        Each round's product on its own (under the name scope of round rounds[i] if given:
+        it may start as soon as that round's rows arrive), their backward as one product over
+        all rounds' rows (`_rounds_matmul`). For ROW, x is this shard's input slice and the
+        bias slice lands on its own columns, so the all-reduce that follows adds every bias
+        once."""
+        kernel, bias = (tf.cast(v, xs[0].dtype) for v in (self.kernels[k], self.biases[k]))
+        if self.split == ROW:
+            width = self.out_dim // self.num_shards
+            bias = tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])
+        products = _rounds_matmul(list(xs), kernel, rounds)
+        return _per_round(lambda y, i: y + bias, products, rounds)
+
+
+def _rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
+                   rounds: Optional[Sequence[int]]) -> List[tf.Tensor]:
+    """[x @ kernel for x in xs], each product under its round's name scope. Backward: the
+    kernel's gradient as one product of all rounds' rows joined, not one per round summed:
+    a round of B rows reads and writes the whole kernel gradient, so K rounds of a
+    9216x1024 shard moved K times its 38 MB (paper AlexNet's first FC layer), the
+    memory traffic that made owt-b and owt-c slower than owt-a on a CPU. The same sum,
+    in another order."""
+    if len(xs) == 1:
+        return _per_round(lambda x, i: tf.matmul(x, kernel), xs, rounds)
+
+    @tf.custom_gradient
+    def products(kernel, *xs):
+        ys = _per_round(lambda x, i: tf.matmul(x, kernel), xs, rounds)
+
+        def grad(*dys):
+            dys = [tf.zeros_like(y) if dy is None else dy for y, dy in zip(ys, dys)]
+            dy = tf.concat(dys, axis=0)
+            dkernel = tf.matmul(tf.concat(xs, axis=0), dy, transpose_a=True)
+            dxs = tf.split(tf.matmul(dy, kernel, transpose_b=True),
+                           [int(x.shape[0]) for x in xs], axis=0)
+            return [dkernel] + dxs
+
+        return ys, grad
+
+    return products(kernel, *xs)
 
 
 def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
@@ -205,7 +237,7 @@ class ShardedHead(tf.Module):
         xs = [tf.cast(x, self.compute_dtype) for x in xs]
         per_round = functools.partial(_per_round, rounds=rounds)
         for i, layer in enumerate(layers[:-1]):
-            zs = per_round(lambda x, r: layer.forward_shard(x, k), xs)
+            zs = layer.forward_shard_rounds(xs, k, rounds)
             if layer.split == ROW:
                 zs = self._exchange(coll.all_reduce_sum, zs)
             # A ROW layer's output is whole and identical on every replica: same mask for all.
@@ -215,7 +247,7 @@ class ShardedHead(tf.Module):
             if layer.split == COL and layers[i + 1].split == COL:
                 hs = self._gather(hs)
             xs = hs
-        return per_round(lambda x, r: layers[-1].forward_shard(x, k), xs)
+        return layers[-1].forward_shard_rounds(xs, k, rounds)
 
     def forward_assembled(self, x: tf.Tensor) -> tf.Tensor:
         """Logits [rows, classes] of `x` in inference mode, computed on one device from every
