@@ -166,14 +166,27 @@ def _gradients(fwd: _Forward, sources: List[tf.Tensor],
 def _deferred_backward(fwd: _Forward, shard_vars: List[tf.Variable]) -> List[tf.Tensor]:
     """[d losses / d inputs of each round] + the shard's variable gradients (summed over
     rounds), each deferred collective's backward issued once, last cut first: the same
-    order on every replica."""
+    order on every replica. Independent cuts (one group: a layer's rounds) take their
+    gradients in one differentiation."""
     cut_grads: List[Optional[tf.Tensor]] = [None] * len(fwd.cuts)
     with tf.name_scope("fc_backward"):
-        for j in reversed(range(len(fwd.cuts))):
-            received = _gradients(fwd, [fwd.cuts[j].received], cut_grads)[0]
-            if received is not None:  # else the losses do not depend on it: nothing to send
-                cut_grads[j] = coll.backward_of_cut(fwd.cuts[j], received)
+        for group in reversed(_cut_groups(fwd.cuts)):
+            received = _gradients(fwd, [fwd.cuts[j].received for j in group], cut_grads)
+            for j, grad in reversed(list(zip(group, received))):
+                if grad is not None:  # else the losses do not depend on it: nothing to send
+                    cut_grads[j] = coll.backward_of_cut(fwd.cuts[j], grad)
     return _gradients(fwd, fwd.inputs + shard_vars, cut_grads)
+
+
+def _cut_groups(cuts: Sequence[coll.Cut]) -> List[List[int]]:
+    """Indices of consecutive cuts of one group, in program order."""
+    groups: List[List[int]] = []
+    for j, cut in enumerate(cuts):
+        if groups and cuts[groups[-1][-1]].group == cut.group:
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    return groups
 
 
 def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,

@@ -281,7 +281,8 @@ class ShardedHead(tf.Module):
         if self.num_shards == 1:
             return list(ts)
         if op is coll.all_reduce_sum or not coll.joins_rounds(self.num_shards):
-            return [op(t, purpose) for t in ts]
+            with coll.independent_cuts():
+                return [op(t, purpose) for t in ts]
         return _on_joined_rows(lambda t: op(t, purpose), ts)
 
     def _gather(self, ts: Sequence[tf.Tensor], purpose: str = coll.FC_EXCHANGE) -> List[tf.Tensor]:
