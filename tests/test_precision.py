@@ -208,19 +208,26 @@ def test_a_float16_keras_model_is_refused_with_the_way_out(devices):
 
 @pytest.mark.slow
 def test_bf16_trains_the_demo_to_the_fp32_error_within_a_point(devices, tmp_path):
-    """The demo run (alexnet_tiny on digits, K = 2, owt-b, 600 steps) in bf16 and in fp32:
-    validation top-1 errors within 1 percentage point."""
+    """The demo run (alexnet_tiny on digits, K = 2, owt-b, 600 steps) in bf16 and in fp32,
+    seeds 0, 1 and 2: mean validation top-1 errors within 1 percentage point. One run
+    against one is no test of that: the same fp32 run (seed 0) ended at 1.11 % in one
+    process and 1.95 % in another (two replicas share the CPU's threads, so reduction
+    orders differ between processes), and the validation split is 359 images (0.28 points
+    each)."""
     from owt_tf.config import RunConfig
     from owt_tf.training.loop import Trainer
 
-    errors = {}
-    for precision in ("fp32", "bf16"):
-        config = RunConfig.from_flags(precision=precision, logdir=str(tmp_path / precision),
-                           histogram_every=0)
-        summary = Trainer(config, devices=devices[:2]).fit(log=lambda line: None, progress=False)
-        errors[precision] = summary["val_top1_error"]
-    assert errors["fp32"] < 0.03
-    assert abs(errors["bf16"] - errors["fp32"]) <= 0.01, errors
+    errors = {"fp32": [], "bf16": []}
+    for seed in (0, 1, 2):
+        for precision in errors:
+            config = RunConfig.from_flags(precision=precision, seed=seed, histogram_every=0,
+                                          logdir=str(tmp_path / f"{precision}-{seed}"))
+            summary = Trainer(config, devices=devices[:2]).fit(log=lambda line: None,
+                                                               progress=False)
+            errors[precision].append(summary["val_top1_error"])
+    mean = {precision: float(np.mean(e)) for precision, e in errors.items()}
+    assert mean["fp32"] < 0.03, errors
+    assert abs(mean["bf16"] - mean["fp32"]) <= 0.01, errors
 
 
 def test_a_bf16_run_exports_a_float32_serving_graph(devices, tmp_path):
