@@ -270,9 +270,7 @@ def _timed_run(dataset, warmup: int, batches: int) -> float:
     buffers, and the batches it holds would come free in its next round."""
     iterator = iter(dataset)
     _timed_batches(iterator, max(warmup, 1))
-    seconds = _timed_batches(iterator, batches)
-    del iterator
-    return seconds
+    return _timed_batches(iterator, batches)
 
 
 def run_input_bench(args) -> List[InputRecord]:

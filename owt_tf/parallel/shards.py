@@ -120,12 +120,15 @@ def _rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
     9216x1024 shard moved K times its 38 MB (paper AlexNet's first FC layer), the
     memory traffic that made owt-b and owt-c slower than owt-a on a CPU. The same sum,
     in another order."""
-    if len(xs) == 1:
+    def each_round(kernel, xs):
         return _per_round(lambda x, i: tf.matmul(x, kernel), xs, rounds)
+
+    if len(xs) == 1:
+        return each_round(kernel, xs)
 
     @tf.custom_gradient
     def products(kernel, *xs):
-        ys = _per_round(lambda x, i: tf.matmul(x, kernel), xs, rounds)
+        ys = each_round(kernel, xs)
 
         def grad(*dys):
             dys = [tf.zeros_like(y) if dy is None else dy for y, dy in zip(ys, dys)]

@@ -199,25 +199,25 @@ class Trainer:
                           if config.run.skip_nonfinite or self.loss_scale is not None else None)
 
     def _train_input(self, start: int):
-        """This process's replicas' rows of the global batches from stream position `start`:
-        a streamed dataset reads and decodes only this process's rows; one in memory is
-        sliced."""
-        config = self.config
-        if isinstance(self.dataset, StreamDataset):
-            rows = self.dataset.train_rows(config.global_batch_size, config.run.seed, start,
-                                           rows=self.hybrid.own_rows)
-            return self.hybrid.distribute_own_rows(rows)
-        train = self.dataset.train(config.global_batch_size, config.run.seed, start=start)
-        return self.hybrid.distribute_batches(train)
+        """This process's replicas' rows of the global batches from stream position `start`."""
+        batch, seed = self.config.global_batch_size, self.config.run.seed
+        return self._own_input(
+            lambda rows: self.dataset.train_rows(batch, seed, start, rows=rows),
+            lambda: self.dataset.train(batch, seed, start=start))
 
     def _validation_input(self):
-        """This process's replicas' rows of the validation global batches: a streamed dataset
-        decodes only this process's rows."""
+        """This process's replicas' rows of the validation global batches."""
         batch = self.config.global_batch_size
+        return self._own_input(lambda rows: self.dataset.validation_rows(batch, rows=rows),
+                               lambda: self.dataset.validation(batch))
+
+    def _own_input(self, stream_rows, whole_batches):
+        """Per-replica batches of this process's rows: a streamed dataset reads and decodes
+        only those rows (`stream_rows(own_rows)`); one in memory is sliced from its global
+        batches (`whole_batches()`)."""
         if isinstance(self.dataset, StreamDataset):
-            rows = self.dataset.validation_rows(batch, rows=self.hybrid.own_rows)
-            return self.hybrid.distribute_own_rows(rows)
-        return self.hybrid.distribute_batches(self.dataset.validation(batch))
+            return self.hybrid.distribute_own_rows(stream_rows(self.hybrid.own_rows))
+        return self.hybrid.distribute_batches(whole_batches())
 
     def _choose_scheme(self, config: RunConfig) -> RunConfig:
         """--scheme auto: the planner's choice for this model, K, batch and hardware (one
