@@ -84,5 +84,19 @@ def max_rel_diff(a, b) -> float:
     return worst
 
 
+def update_rel_diff(before, got, want) -> float:
+    """Worst per-tensor norm of the difference of two updates (`got - before` against
+    `want - before`), relative to the reference update's norm. A weight-relative check would
+    miss a wrong rate or decay: after a few steps an update is ~1e-5 of its weight."""
+    assert len(before) == len(got) == len(want), (len(before), len(got), len(want))
+    worst = 0.0
+    for b, g, w in zip(before, got, want):
+        b, g, w = (np.asarray(t, np.float64) for t in (b, g, w))
+        assert b.shape == g.shape == w.shape, (b.shape, g.shape, w.shape)
+        scale = max(np.linalg.norm(w - b), 1e-12)
+        worst = max(worst, float(np.linalg.norm((g - b) - (w - b)) / scale))
+    return worst
+
+
 def dataset(x, y, batch: int) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)

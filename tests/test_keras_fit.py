@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import owt_tf
 from keras_models import (alexnet_like, copy_of, dataset, max_rel_diff, random_data,
-                          single_dense_head)
+                          single_dense_head, update_rel_diff)
 
 LR, MOMENTUM, BATCH, STEPS = 0.05, 0.9, 32, 3
 
@@ -69,14 +69,14 @@ def _round_rows(scheme, k, b, r):
     return np.concatenate([np.arange(j * b + r * s, j * b + (r + 1) * s) for j in range(k)])
 
 
-def _worker_reference(model, x, y, k, scheme):
+def _worker_reference(model, x, y, k, scheme, trunk_opt=None, fc_opt=None):
     """One device: per step, K FC updates on the rounds' rows, then one trunk update from
     the mean of the rounds' activation gradients (each taken at that round's FC weights)."""
     trunk = keras.Model(model.inputs, model.get_layer("flatten").output)
     dense = [model.get_layer(n) for n in ("fc1", "fc2", "predictions")]
     fc_vars = [v for layer in dense for v in layer.trainable_variables]
-    trunk_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
-    fc_opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
+    trunk_opt = trunk_opt or keras.optimizers.SGD(LR, momentum=MOMENTUM)
+    fc_opt = fc_opt or keras.optimizers.SGD(LR, momentum=MOMENTUM)
     losses = []
     for step in range(STEPS):
         xb, yb = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
@@ -126,3 +126,31 @@ def test_evaluate_and_predict_cover_every_row(devices):
     np.testing.assert_allclose(got, reference.predict(x, verbose=0), atol=1e-6)
     np.testing.assert_allclose(parallel.predict(tf.data.Dataset.from_tensor_slices(x).batch(16),
                                                 verbose=0), got, atol=1e-6)
+
+
+def _fc_schedule():
+    return keras.optimizers.schedules.ExponentialDecay(LR / 2, decay_steps=1, decay_rate=0.8)
+
+
+@pytest.mark.parametrize("k,scheme", [(2, "owt-b"), (4, "owt-c")])
+def test_fc_optimizer_own_rate_and_schedule_equal_sequential_fc_updates(devices, k, scheme):
+    """The paper's recipe through compile: the trunk at K times the rate, the shards with
+    `fc_optimizer=` at their own rate, here a schedule that decays every FC update. Equals
+    plain Keras optimizers applying K sequential FC updates a step (the schedule advancing
+    once per update), compared by each weight's update."""
+    x, y = random_data(BATCH * STEPS, seed=6)
+    reference = alexnet_like()
+    before = reference.get_weights()
+    strategy = owt_tf.HybridStrategy(devices=devices[:k], scheme=scheme, fc_batch="worker")
+    with strategy.scope():
+        parallel = owt_tf.parallelize(copy_of(reference), seed=0)
+        parallel.compile(optimizer=keras.optimizers.SGD(LR * k, momentum=MOMENTUM),
+                         fc_optimizer=keras.optimizers.SGD(_fc_schedule(), momentum=MOMENTUM),
+                         loss="sparse_categorical_crossentropy")
+    losses = _worker_reference(reference, x, y, k, scheme,
+                               keras.optimizers.SGD(LR * k, momentum=MOMENTUM),
+                               keras.optimizers.SGD(_fc_schedule(), momentum=MOMENTUM))
+    got = parallel.fit(dataset(x, y, BATCH), epochs=1, verbose=0).history
+    assert update_rel_diff(before, parallel.to_keras_model().get_weights(),
+                           reference.get_weights()) < 1e-4
+    assert got["loss"][0] == pytest.approx(np.mean(losses), rel=1e-5)

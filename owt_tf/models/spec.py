@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 HIDDEN_ACTIVATIONS = ("relu", "linear")
-OUTPUT_ACTIVATIONS = ("linear", "softmax")
+OUTPUT_ACTIVATIONS = ("linear", "softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,8 @@ class HeadSpec:
 
     `activations` / `dropouts` give one entry per hidden layer; left empty, every hidden layer
     is ReLU followed by dropout at `dropout` (the registry models). `output_activation` is
-    'linear' (the model outputs logits) or 'softmax' (probabilities); the engine always
+    'linear' (the model outputs logits), 'softmax' (class probabilities) or 'sigmoid'
+    (a binary or multi-label head: one probability per unit); the engine always
     computes logits and applies it where the output is used.
     """
 

@@ -3,7 +3,7 @@
 The split rule: the trunk is everything up to the tensor that feeds the first `Dense` of
 the model's final chain of `Dense` / `Dropout` / `Activation` / `ReLU` / `Softmax` layers
 (a rank-2 tensor: after `Flatten`, `GlobalAveragePooling2D`, ...). The head is that chain:
-each `Dense` with its activation (ReLU or linear; softmax or linear on the last) and the
+each `Dense` with its activation (ReLU or linear; softmax, sigmoid or linear on the last) and the
 dropout rate after it. The trunk may be anything Keras builds; the head must be a plain
 chain, because owt_tf splits its layers over devices. Anything else is refused with one
 line naming the layer and the reason (`UnsupportedModel`).
@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 import keras
 import numpy as np
 
-from owt_tf.models.spec import HeadSpec
+from owt_tf.models.spec import OUTPUT_ACTIVATIONS, HeadSpec
 
 
 class UnsupportedModel(ValueError):
@@ -106,7 +106,7 @@ def _check_dense(layer, last: bool) -> None:
         reasons.append(f"dtype policy {layer.dtype_policy.name} is not supported (float32 "
                        "weights only: float32, mixed_bfloat16 or mixed_float16)")
     act = _activation_name(layer)
-    allowed = ("linear", "softmax") if last else ("relu", "linear")
+    allowed = OUTPUT_ACTIVATIONS if last else ("relu", "linear")
     if act not in allowed:
         reasons.append(f"activation {act!r} is not supported here (one of {', '.join(allowed)})")
     if reasons:
@@ -139,7 +139,7 @@ def _head_spec(chain: List) -> Tuple[HeadSpec, List[str]]:
         last = i == len(dense) - 1
         _check_dense(layer, last)
         act = activations[i]
-        allowed = ("linear", "softmax") if last else ("relu", "linear")
+        allowed = OUTPUT_ACTIVATIONS if last else ("relu", "linear")
         if act not in allowed:
             raise UnsupportedModel(f"layer {layer.name}: activation {act!r} is not supported "
                                    f"here (one of {', '.join(allowed)})")

@@ -72,13 +72,15 @@ def _elements(dataset: tf.data.Dataset, with_labels: bool) -> tf.data.Dataset:
     return dataset.map(lambda *t: (t[0],))
 
 
-def _class_ids(labels: tf.Tensor) -> tf.Tensor:
+def _class_ids(labels: tf.Tensor, batched: bool = False) -> tf.Tensor:
     """Integer labels as int32 class ids of rank 0 per row ([N, 1] squeezed, uint8 widened:
-    TF's collective gather takes float, int32 and int64 only); other labels unchanged."""
+    TF's collective gather takes float, int32 and int64 only); other labels unchanged.
+    `labels`: one row's, or a batch's when `batched`."""
     if not labels.dtype.is_integer:
         return labels
-    if labels.shape.rank == 1 and labels.shape[0] == 1:
-        labels = tf.squeeze(labels, axis=0)
+    axis = 1 if batched else 0
+    if labels.shape.rank == axis + 1 and labels.shape[axis] == 1:
+        labels = tf.squeeze(labels, axis=axis)
     return tf.cast(labels, tf.int32) if labels.dtype not in (tf.int32, tf.int64) else labels
 
 
@@ -94,10 +96,20 @@ def training_batches(x, y, batch_size: Optional[int], shuffle: bool,
     """Whole global batches of (x, y), and the per-replica batch size."""
     rows, size = _as_dataset(x, y, batch_size)
     per_replica = check_global_batch(size, num_replicas)
-    rows = _elements(rows, with_labels=True)
     if shuffle and not isinstance(x, tf.data.Dataset):
-        rows = rows.shuffle(min(len(x), 100_000), reshuffle_each_iteration=True)
-    return rows.batch(size, drop_remainder=True).prefetch(tf.data.AUTOTUNE), per_replica
+        batches = _shuffled_batches(x, y, size)
+    else:
+        batches = _elements(rows, with_labels=True).batch(size, drop_remainder=True)
+    return batches.prefetch(tf.data.AUTOTUNE), per_replica
+
+
+def _shuffled_batches(x, y, size: int) -> tf.data.Dataset:
+    """Whole batches of every row in a new order each epoch, as Keras shuffles arrays: a
+    permutation of the row indices (8 bytes a row in the shuffle buffer), not a window."""
+    x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
+    order = tf.data.Dataset.range(len(x)).shuffle(len(x), reshuffle_each_iteration=True)
+    return order.batch(size, drop_remainder=True).map(
+        lambda i: (tf.gather(x, i), _class_ids(tf.gather(y, i), batched=True)))
 
 
 def _pad_rows(t: tf.Tensor, pad: tf.Tensor, size: int) -> tf.Tensor:

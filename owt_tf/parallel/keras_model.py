@@ -26,6 +26,7 @@ one-device model with the trained weights.
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Dict, List, Optional
 
 import keras
@@ -43,12 +44,18 @@ from owt_tf.parallel.strategy import HybridStrategy, current_strategy
 
 # Optimizers whose update of each weight depends only on that weight's own gradient and
 # state, so that updating a shard equals updating its part of the whole layer.
+# The key under which a file names the kind of optimizer whose slots it holds.
+FC_OPTIMIZER_KIND = "fc_optimizer_kind"
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
                           "Adamax", "Lion", "Ftrl")
 
 
 class CompileError(ValueError):
     """A compile setting a parallelized model cannot honour (the message says why)."""
+
+
+class TrainingCallError(RuntimeError):
+    """Training outside Keras' loops, which a parallelized model cannot honour."""
 
 
 def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
@@ -107,7 +114,8 @@ class _ShardOptimizers:
     walk the clones (their number depends on K); the model saves their slots whole."""
 
     def __init__(self, template: keras.optimizers.Optimizer, head: ShardedHead,
-                 devices: List[str], trunk_optimizer, lr_ratio: float):
+                 devices: List[str], trunk_optimizer, lr_ratio: float,
+                 own_schedule: bool = False):
         name = type(template).__name__
         if name not in ELEMENTWISE_OPTIMIZERS:
             raise CompileError(f"optimizer {name}: its update is not element-wise, so a shard's "
@@ -118,6 +126,11 @@ class _ShardOptimizers:
         self.trunk_optimizer = trunk_optimizer
         self.lr_ratio = lr_ratio
         self.weight_decay = template.weight_decay
+        self.kind = type(template).__name__
+        # An fc_optimizer with a rate schedule follows it, on its own step count (one per FC
+        # update: K a step with fc_batch='worker', as K plain Keras updates would advance it).
+        self.own_schedule = own_schedule and isinstance(
+            template.get_config()["learning_rate"], dict)
 
         def build():
             clones = {}
@@ -158,16 +171,19 @@ class _ShardOptimizers:
         """Shard k's slots, slot by slot, each in head.shard_variables order."""
         return [v for slot in self.slots(k) for v in slot]
 
-    def learning_rate(self) -> tf.Tensor:
-        """The trunk optimizer's current rate (its schedule, LearningRateScheduler) times the
+    def learning_rate(self, shard: int) -> tf.Tensor:
+        """Shard `shard`'s current rate: the fc_optimizer's own schedule, if it has one; else
+        the trunk optimizer's current rate (its schedule, LearningRateScheduler) times the
         ratio set at compile."""
+        if self.own_schedule:
+            return tf.cast(self.clones[shard].learning_rate, tf.float32)
         return tf.cast(self.trunk_optimizer.learning_rate, tf.float32) * self.lr_ratio
 
     def apply(self, shard: int, grads: List[tf.Tensor]) -> None:
         """Keras' own update on this shard: decoupled weight decay (as Keras applies it,
         before the step, at the current rate), then the optimizer's update_step."""
         clone = self.clones[shard]
-        lr = self.learning_rate()
+        lr = self.learning_rate(shard)
         for g, v in zip(grads, self.head.shard_variables(shard)):
             if self.weight_decay:
                 v.assign_sub(v * tf.cast(self.weight_decay * lr, v.dtype))
@@ -194,30 +210,73 @@ def _rate_ratio(optimizer, fc_optimizer) -> float:
     return _initial_rate(keras.optimizers.get(fc_optimizer)) / trunk_rate
 
 
+def _same_rank(labels: tf.Tensor, outputs: tf.Tensor):
+    """Keras' rank rule for a loss function (`squeeze_or_expand_to_same_rank`, applied by its
+    `LossFunctionWrapper`): when the ranks differ by one and the longer has a last axis of 1,
+    rank-1 labels gain that axis, else the longer loses it."""
+    lr, orank = labels.shape.rank, outputs.shape.rank
+    if lr == orank + 1 and labels.shape[-1] == 1:
+        return (labels, outputs[:, None]) if orank == 1 else (tf.squeeze(labels, -1), outputs)
+    if orank == lr + 1 and outputs.shape[-1] == 1:
+        return (labels[:, None], outputs) if lr == 1 else (labels, tf.squeeze(outputs, -1))
+    return labels, outputs
+
+
+class _FunctionLoss(keras.losses.Loss):
+    """A string or plain-function loss as Keras' compile wraps it (ranks aligned first)."""
+
+    def __init__(self, fn):
+        super().__init__(name=getattr(fn, "__name__", None))
+        self.fn = fn
+
+    def call(self, y_true, y_pred):
+        return self.fn(*_same_rank(y_true, y_pred))
+
+
 def _per_example_loss(loss):
     """(labels, outputs) -> per-example values of the compiled loss (a mean over each
-    round's rows is taken by the engine, as Keras' default reduction does)."""
-    fn = keras.losses.get(loss)
-    if fn is None:
+    round's rows is taken by the engine, as Keras' default reduction does).
+
+    A string or plain function is wrapped in `LossFunctionWrapper` as Keras' compile does, so
+    that labels and outputs are brought to the same rank first ([B] labels against a [B, 1]
+    head); labels are converted to the loss's dtype as `Loss.__call__` does."""
+    if loss is None:
         raise CompileError("loss is required")
-    if isinstance(fn, keras.losses.Loss):
-        config = fn.get_config()
-        if config.get("reduction") not in ("sum_over_batch_size", "mean"):
-            raise CompileError(f"loss reduction {config.get('reduction')!r} is not supported "
-                               "(the loss is averaged over each round's rows)")
-        if config.get("ignore_class") is not None:
-            raise CompileError("ignore_class is not supported (the loss is averaged over "
-                               "every row of a round)")
-        fn = fn.call
+    fn = keras.losses.get(loss)
+    if not isinstance(fn, keras.losses.Loss):
+        fn = _FunctionLoss(fn)
+    config = fn.get_config()
+    if config.get("reduction") not in ("sum_over_batch_size", "mean"):
+        raise CompileError(f"loss reduction {config.get('reduction')!r} is not supported "
+                           "(the loss is averaged over each round's rows)")
+    if config.get("ignore_class") is not None:
+        raise CompileError("ignore_class is not supported (the loss is averaged over "
+                           "every row of a round)")
+    dtype = tf.as_dtype(fn.dtype or "float32")
 
     def per_example(labels, outputs):
-        values = fn(labels, outputs)
+        values = fn.call(tf.cast(labels, dtype), outputs)
         if values.shape.rank != 1:
             raise CompileError(f"the loss must give one value per example; it gave shape "
                                f"{values.shape}")
         return values
 
     return per_example
+
+
+def _refuse_weights(sample_weight, class_weight) -> None:
+    if class_weight is not None or sample_weight is not None:
+        raise keras_data.DataError("class and sample weights are not supported by a "
+                                   "parallelized model")
+
+
+def _own_share(rows: tf.Tensor) -> tf.Tensor:
+    """This replica's 1/K of rows that every replica holds (the gathered batch). Keras sums a
+    metric's variables over replicas (they are ON_READ, SUM): fed the whole batch on every
+    replica, a count metric (TruePositives, ...) would come out K times too large."""
+    k, n = coll.replica_id(), coll.num_replicas()
+    per = rows.shape[0] // n
+    return rows[k * per:(k + 1) * per]
 
 
 class ParallelModel(keras.Model):
@@ -230,6 +289,7 @@ class ParallelModel(keras.Model):
         self._source_json = json.dumps(source)
         self._dense_names = list(split.dense_names)
         self._seed = int(seed)
+        self._step_offset = 0  # optimizer steps taken under earlier compiles (dropout seeds)
         trunk = keras.models.clone_model(split.trunk)  # in the scope: mirrored variables
         trunk.set_weights(split.trunk.get_weights())
         self.trunk = trunk
@@ -250,26 +310,47 @@ class ParallelModel(keras.Model):
         and LearningRateScheduler: the paper's recipe is `optimizer=SGD(lr * K)`,
         `fc_optimizer=SGD(lr)` with fc_batch='worker'."""
         self._refuse_settings(steps_per_execution, run_eagerly, jit_compile, loss, kwargs)
-        optimizer = keras.optimizers.get(optimizer)
+        with self._hybrid.scope():
+            optimizer = keras.optimizers.get(optimizer)
         fc_template = keras.optimizers.get(fc_optimizer) if fc_optimizer is not None else optimizer
         for opt in (optimizer, fc_template):
             self._refuse_optimizer(opt)
-        # Built inside the scope, whatever the user did: an optimizer made outside it breaks
-        # fit once it has slots ("Mixing different tf.distribute.Strategy objects").
-        with self._hybrid.scope():
-            trunk_optimizer = type(optimizer).from_config(optimizer.get_config())
+        previous = getattr(self, "optimizer", None)
+        if previous is not None and previous is not optimizer:
+            # A recompile: the head's dropout masks go on from where the last optimizer's
+            # steps left them instead of repeating the first run's sequence.
+            self._step_offset += int(previous.iterations.numpy())
+        trunk_optimizer = self._in_scope(optimizer)
         super().compile(optimizer=trunk_optimizer, loss=loss, metrics=metrics,
                         steps_per_execution=1, run_eagerly=False, jit_compile=False, **kwargs)
         # Built now, not at the first fit: load_weights then restores the trunk's optimizer
         # state together with the shards' (Keras skips an unbuilt optimizer's state).
-        with self._hybrid.scope():
-            trunk_optimizer.build(self.trunk.trainable_variables)
+        if not trunk_optimizer.built:
+            with self._hybrid.scope():
+                trunk_optimizer.build(self.trunk.trainable_variables)
         self.head.per_example_loss = _per_example_loss(loss)
         self._fc_optimizer = _ShardOptimizers(fc_template, self.head, self._hybrid.devices,
-                                              trunk_optimizer, _rate_ratio(optimizer, fc_optimizer))
+                                              trunk_optimizer, _rate_ratio(optimizer, fc_optimizer),
+                                              own_schedule=fc_optimizer is not None)
         if self._pending_fc_slots is not None:
             self._restore_fc_slots(self._pending_fc_slots)
             self._pending_fc_slots = None
+
+    def _in_scope(self, optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+        """The user's own optimizer object (so that `model.optimizer is opt` and callbacks
+        holding `opt` act on the run), with its state created inside the strategy's scope.
+        Keras' TF optimizer captures the strategy current at construction
+        (`_distribution_strategy`); one made outside the scope breaks fit once it has slots
+        ("Mixing different tf.distribute.Strategy objects"), so such an unused optimizer is
+        initialised again, in place, from its own config inside the scope."""
+        if getattr(optimizer, "_distribution_strategy", None) is not self._hybrid.strategy:
+            config = optimizer.get_config()
+            if isinstance(config["learning_rate"], dict):  # a serialized schedule
+                config["learning_rate"] = keras.optimizers.schedules.deserialize(
+                    config["learning_rate"])
+            with self._hybrid.scope():
+                optimizer.__init__(**config)
+        return optimizer
 
     def _refuse_settings(self, steps_per_execution, run_eagerly, jit_compile, loss, kwargs):
         if steps_per_execution != 1:
@@ -293,8 +374,7 @@ class ParallelModel(keras.Model):
             raise CompileError("HybridStrategy(loss='sharded') computes its own cross-entropy; "
                                "use loss='gathered' with a compiled loss")
 
-    @staticmethod
-    def _refuse_optimizer(opt):
+    def _refuse_optimizer(self, opt):
         if isinstance(opt, keras.optimizers.LossScaleOptimizer):
             raise CompileError("LossScaleOptimizer is not supported (float32 only)")
         for attr, why in (("clipvalue", "Keras clips each replica's part of a trunk "
@@ -305,7 +385,7 @@ class ParallelModel(keras.Model):
                           ("gradient_accumulation_steps", "accumulation is not supported")):
             if getattr(opt, attr, None):
                 raise CompileError(f"optimizer {attr}: not supported ({why})")
-        if opt.built:
+        if opt.built and opt is not getattr(self, "optimizer", None):
             raise CompileError("pass an optimizer that has not been used yet (it is rebuilt "
                                "inside the strategy's scope)")
         # Exclusions are not in the optimizer's config, so its copies would decay every weight.
@@ -318,10 +398,13 @@ class ParallelModel(keras.Model):
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)  # fit refused sample weights
         plan = self._hybrid.scheme_plan(self._static_rows(x))
         trunk_vars = self.trunk.trainable_variables
-        step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64),
-                                      tf.cast(self.optimizer.iterations, tf.int64)]), tf.int32)
+        step = tf.cast(self.optimizer.iterations, tf.int64) + self._step_offset
+        step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64), step]), tf.int32)
 
         def apply_trunk(grads):
+            if not grads:  # a frozen trunk: the step still counts (schedules, dropout seeds)
+                self.optimizer.iterations.assign_add(1)
+                return
             k = coll.num_replicas()
             coll.record(coll.CONV_GRAD, "all_reduce",
                         sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
@@ -336,8 +419,8 @@ class ParallelModel(keras.Model):
             loss += step.trunk_loss
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=rounds.count)
-            return self.compute_metrics(x, tf.concat(rounds.labels, 0),
-                                        tf.concat(rounds.outputs, 0))
+            return self.compute_metrics(x, _own_share(tf.concat(rounds.labels, 0)),
+                                        _own_share(tf.concat(rounds.outputs, 0)))
 
     def test_step(self, data):
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -352,7 +435,7 @@ class ParallelModel(keras.Model):
             loss += tf.add_n(self.trunk.losses)
         # Keras' `metrics` ignore sample weights (only `weighted_metrics` use them): drop the
         # padding rows instead.
-        real = weight > 0
+        labels, outputs, real = (_own_share(t) for t in (labels, outputs, weight > 0))
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=count)
             return self.compute_metrics(x, tf.boolean_mask(labels, real),
@@ -368,8 +451,13 @@ class ParallelModel(keras.Model):
         return outputs if valid is None else tf.boolean_mask(outputs, valid > 0)
 
     def call(self, inputs, training=False):
-        """One-device forward pass (every shard joined): Keras' symbolic build and direct
-        calls. fit / evaluate / predict run the distributed steps above instead."""
+        """One-device forward pass in inference mode (every shard joined): Keras' symbolic
+        build and direct calls. fit / evaluate / predict run the distributed steps above."""
+        if training:
+            raise TrainingCallError(
+                "model(x, training=True) is not supported on a parallelized model: train with "
+                "fit or train_on_batch (a GradientTape over model.trainable_variables would "
+                "see the trunk only, not the FC shards)")
         features = self.trunk(inputs, training=False)
         return self.head.outputs(self.head.forward_assembled(features))
 
@@ -400,9 +488,7 @@ class ParallelModel(keras.Model):
         dropped (every replica needs the same number of rows)."""
         if validation_split:
             raise keras_data.DataError("validation_split is not supported: pass validation_data")
-        if class_weight is not None or sample_weight is not None:
-            raise keras_data.DataError("class and sample weights are not supported by a "
-                                       "parallelized model")
+        _refuse_weights(sample_weight, class_weight)
         train, per_replica = keras_data.training_batches(x, y, batch_size, shuffle,
                                                          self._hybrid.num_replicas)
         self._hybrid.scheme_plan(per_replica)  # refuses a batch the scheme cannot split
@@ -429,6 +515,39 @@ class ParallelModel(keras.Model):
         data = keras_data.padded_batches(x, None, batch_size, self._hybrid.num_replicas, False)
         self._fresh_function("predict_function", data)
         return super().predict(data, **kwargs)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                       return_dict=False):
+        """Keras' train_on_batch: one step on the global batch (x, y), each replica taking
+        its own rows (Keras' own would hand every replica the whole batch)."""
+        _refuse_weights(sample_weight, class_weight)
+        data, _ = keras_data.training_batches(x, y, len(x), False, self._hybrid.num_replicas)
+        self._hybrid.scheme_plan(len(x) // self._hybrid.num_replicas)
+        return self._one_batch("train_function", self.make_train_function, data, return_dict)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        """Keras' test_on_batch over every row of (x, y), each replica taking its own rows."""
+        _refuse_weights(sample_weight, None)
+        data = keras_data.padded_batches(x, y, len(x), self._hybrid.num_replicas, True)
+        return self._one_batch("test_function", self.make_test_function, data, return_dict)
+
+    def predict_on_batch(self, x):
+        """Keras' predict_on_batch: the outputs of every row of x, in order."""
+        return self.predict(x, batch_size=len(x), verbose=0)
+
+    def _one_batch(self, name: str, make, data: tf.data.Dataset, return_dict: bool):
+        self._fresh_function(name, data)
+        # Keras' loops build the compiled metrics before tracing a step (fit does it from its
+        # iterator); one built inside the traced step fails with unfed placeholders.
+        self._symbolic_build(data_batch=next(iter(data)))
+        make()
+        self.reset_metrics()
+        iterator = iter(self._hybrid.strategy.experimental_distribute_dataset(data))
+        # The metrics' own results (their variables summed over replicas), as Keras' loops
+        # report at the end of an epoch; the step's logs are per-replica values averaged.
+        logs = self._get_metrics_result_or_logs(getattr(self, name)(iterator))
+        logs = {k: float(np.asarray(v)) for k, v in logs.items()}
+        return logs if return_dict else self._flatten_metrics_in_order(logs)
 
     def _fresh_function(self, name: str, data: tf.data.Dataset) -> None:
         """Drops Keras' compiled step when the batch size changed. Keras traces with
@@ -514,6 +633,7 @@ class ParallelModel(keras.Model):
                     state[f"fc{i}_kernel_slot{s}"], state[f"fc{i}_bias_slot{s}"] = kernel, bias
             first = opt.clones[head.local_shards[0]]
             state["fc_iterations"] = np.asarray(first.iterations.numpy())
+            state[FC_OPTIMIZER_KIND] = np.frombuffer(opt.kind.encode(), np.uint8)
         return state
 
     def _restore_head(self, state: Dict[str, np.ndarray]) -> None:
@@ -524,7 +644,8 @@ class ParallelModel(keras.Model):
                 raise ValueError(f"{self._dense_names[i]}: saved as {kernel.shape}, this model "
                                  f"has {(layer.in_dim, layer.out_dim)}")
             head.assign_whole(head.shard_variables, 0, i, kernel, bias)
-        slots = {k: v for k, v in state.items() if "_slot" in k or k == "fc_iterations"}
+        slots = {k: v for k, v in state.items()
+                 if "_slot" in k or k in ("fc_iterations", FC_OPTIMIZER_KIND)}
         if not slots:
             return
         if self._fc_optimizer is None:  # loaded before compile: applied by compile
@@ -533,11 +654,21 @@ class ParallelModel(keras.Model):
             self._restore_fc_slots(slots)
 
     def _restore_fc_slots(self, state: Dict[str, np.ndarray]) -> None:
+        """The FC optimizer's slots and step count, if they were saved by the same kind of
+        optimizer with as many slots; else fresh ones are kept with a warning, as Keras does
+        for an optimizer whose saved state does not match."""
         head, opt = self.head, self._fc_optimizer
+        saved_kind = (bytes(np.asarray(state[FC_OPTIMIZER_KIND], np.uint8)).decode()
+                      if FC_OPTIMIZER_KIND in state else None)  # files before the kind was kept
+        saved_slots = len({k.rsplit("_slot", 1)[1] for k in state if "_slot" in k})
+        if (saved_kind or opt.kind) != opt.kind or saved_slots != opt.num_slots:
+            warnings.warn(f"Skipping the FC optimizer state: it was saved by "
+                          f"{saved_kind or 'an optimizer'} with {saved_slots} slot(s) per weight; "
+                          f"this model's FC optimizer is {opt.kind} with {opt.num_slots}",
+                          stacklevel=2)
+            return
         for s in range(opt.num_slots):
             for i in range(len(head.layers)):
-                if f"fc{i}_kernel_slot{s}" not in state:
-                    return  # saved with another optimizer: keep fresh slots, as Keras does
                 head.assign_whole(opt.flat_slots, s, i, state[f"fc{i}_kernel_slot{s}"],
                                   state[f"fc{i}_bias_slot{s}"])
         for clone in opt.clones.values():

@@ -266,13 +266,15 @@ class ShardedHead(tf.Module):
         return x
 
     def outputs(self, logits: tf.Tensor) -> tf.Tensor:
-        """What the model outputs for these (unpadded) logits: themselves, or their softmax.
-        Keras' softmax keeps the logits on its result, so Keras' cross-entropy on it is
-        computed from the logits, as for the user's own model. Float32, whatever the
+        """What the model outputs for these (unpadded) logits: themselves, their softmax or
+        their sigmoid. Keras' softmax and sigmoid keep the logits on their result, so Keras'
+        cross-entropies on it are computed from the logits, as for the user's own model. Float32, whatever the
         compute dtype (Keras' mixed-precision rule for a model's outputs)."""
         logits = tf.cast(logits, tf.float32)
         if self.spec.output_activation == "softmax":
             return keras.activations.softmax(logits, axis=-1)
+        if self.spec.output_activation == "sigmoid":
+            return keras.activations.sigmoid(logits)
         return logits
 
     def _activate(self, i: int, z: tf.Tensor) -> tf.Tensor:
@@ -332,9 +334,11 @@ class ShardedHead(tf.Module):
             ce = self.per_example_loss(labels, outputs)
         else:
             ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        # Top-1 correctness (the CLI's error rate): class ids, or the argmax of one-hot rows.
         sparse = labels.shape.rank == 1
-        target = labels if sparse else tf.argmax(labels, axis=-1, output_type=tf.int32)
-        correct = tf.equal(tf.argmax(logits, axis=1, output_type=target.dtype), target)
+        target = (tf.cast(labels, tf.int64) if sparse
+                  else tf.argmax(labels, axis=-1, output_type=tf.int64))
+        correct = tf.equal(tf.argmax(logits, axis=1, output_type=tf.int64), target)
         return ce, correct, outputs
 
     def _sharded_cross_entropy(self, logits_shards, labels, k, per_round):
