@@ -31,6 +31,8 @@ import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
 TASK_TYPES = ("chief", "worker")
+# --device-type: the kind of device each worker's replicas go on (owt_tf.devices.device_layout).
+DEVICE_TYPES = ("auto", "gpu", "cpu")
 JOIN_TIMEOUT_ENV = "OWT_TF_JOIN_TIMEOUT_S"
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 

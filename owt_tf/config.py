@@ -20,7 +20,7 @@ import os
 import time
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
-from owt_tf.cluster import Cluster, ClusterError, resolve_cluster
+from owt_tf.cluster import DEVICE_TYPES, Cluster, ClusterError, resolve_cluster
 from owt_tf.parallel.plan import (AUTO, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS,
                                   SCHEMES, ParallelPlan, PlanError, check_auto_processes)
 
@@ -30,8 +30,6 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 # digits and text are not symmetric); none (training sees the eval view); auto picks per
 # dataset (owt_tf.data.datasets.default_augmentation).
 AUGMENTATIONS = ("auto", "alexnet", "crop", "none")
-# --device-type: where replicas go (owt_tf.devices.device_layout).
-DEVICE_TYPES = ("auto", "gpu", "cpu")
 
 
 class ConfigError(ValueError):

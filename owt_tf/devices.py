@@ -20,8 +20,7 @@ from typing import Callable, List, Optional, Sequence, TypeVar
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
 
-from owt_tf.cluster import Cluster
-from owt_tf.config import DEVICE_TYPES
+from owt_tf.cluster import DEVICE_TYPES, Cluster
 
 T = TypeVar("T")
 

@@ -95,3 +95,63 @@ def test_the_config_imports_nothing_from_training():
     path = PACKAGE / "config.py"
     found = [m for _, m in imported_modules(path) if m.startswith("owt_tf.training")]
     assert not found, found
+
+
+def _module_graph(root: Path = PACKAGE) -> dict:
+    """owt_tf module -> the owt_tf modules it imports (at any depth, inside functions too)."""
+    names = {_module_name(p, root.parent): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        deps = set()
+        for _, module in imported_modules(path, root.parent):
+            while module and module not in names:  # `from pkg import name` -> pkg
+                module = module.rpartition(".")[0]
+            if module and module not in (name, "owt_tf"):
+                deps.add(module)
+        graph[name] = deps
+    return graph
+
+
+def import_circle(graph: dict):
+    """One import circle of `graph` as a list of modules (first repeated last), or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                found = visit(dep, path + [dep])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle():
+    """No module reaches itself through imports, function-level imports included (the
+    package's __init__, which re-exports the public API, is not a dependency of anyone)."""
+    circle = import_circle(_module_graph())
+    assert circle is None, " -> ".join(circle)
+
+
+def test_the_circle_check_finds_a_circle_through_a_function_level_import(tmp_path):
+    pkg = tmp_path / "owt_tf"
+    (pkg / "models").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "models" / "__init__.py"):
+        init.write_text("")
+    (pkg / "config.py").write_text("def f():\n    from owt_tf.models.registry import X\n")
+    (pkg / "models" / "registry.py").write_text("from owt_tf.devices import Y\nX = 1\n")
+    (pkg / "devices.py").write_text("from owt_tf.config import Z\nY = 2\n")
+    assert import_circle(_module_graph(pkg)) == [
+        "owt_tf.config", "owt_tf.models.registry", "owt_tf.devices", "owt_tf.config"]
+    (pkg / "devices.py").write_text("Y = 2\n")
+    assert import_circle(_module_graph(pkg)) is None
