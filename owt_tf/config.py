@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from owt_tf.cluster import DEVICE_TYPES, Cluster, ClusterError, resolve_cluster
 from owt_tf.parallel.plan import (AUTO, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS,
-                                  SCHEMES, ParallelPlan, PlanError, check_auto_processes)
+                                  SCHEMES, ParallelPlan, PlanError, Scheme, check_auto_processes)
 
 LR_SCALINGS = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "step", "cosine")
@@ -429,7 +429,8 @@ class RunConfig:
         A user's model is checked when it is loaded (Trainer)."""
         from owt_tf.models.registry import FC_WIDTHS
 
-        if self.parallel.scheme in ("data", AUTO) or self.model.model not in FC_WIDTHS:
+        if (self.parallel.scheme == AUTO or not Scheme(self.parallel.scheme).model_parallel
+                or self.model.model not in FC_WIDTHS):
             return
         for width in FC_WIDTHS[self.model.model]:
             if width % self.num_replicas:

@@ -37,8 +37,10 @@ from owt_tf.cli import OneLineParser, device_counts
 from owt_tf.config import FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS, RunConfig
 from owt_tf.models.cost import NetworkCost, network_cost
 from owt_tf.models.registry import MODEL_NAMES
+from owt_tf.parallel.plan import Scheme
 from owt_tf.parallel.cost_model import (HARDWARE_NAMES, Prediction, paper_rows, plan, preset,
                                         rank, runner_up, train_command)
+from owt_tf.startup import start_tensorflow
 
 
 def format_table(rows: Iterable[Prediction]) -> str:
@@ -46,8 +48,10 @@ def format_table(rows: Iterable[Prediction]) -> str:
             f"{'img/s':>9} {'speedup':>7} {'MB/worker':>10} {'comm ms':>8} {'hidden':>7}")
     lines = [head, "-" * len(head)]
     for p in rows:
-        split = p.scheme not in ("single", "data") and p.runnable
-        mode = f"{p.fc_batch_mode} {p.fc_batch}" if p.scheme in ("owt-b", "owt-c") else str(p.fc_batch)
+        scheme = Scheme(p.scheme) if p.runnable else None
+        split = scheme is not None and scheme.exchanges_activations
+        rounds = scheme is not None and scheme.has_rounds
+        mode = f"{p.fc_batch_mode} {p.fc_batch}" if rounds else str(p.fc_batch)
         lines.append(f"{p.devices:>2} {p.scheme:<15} {mode:>12} {p.fc_exchange if split else '-':>8} "
                      f"{p.loss if split else '-':>8} {p.step_time_s * 1e3:>9.1f} "
                      f"{p.images_per_sec:>9.1f} {p.speedup:>7.2f} {p.bytes_per_step / 1e6:>10.3f} "
@@ -71,10 +75,10 @@ def _record(p: Optional[Prediction]) -> Optional[dict]:
 
 def describe(p: Prediction) -> str:
     """A row's configuration and its predicted figures, as in the table."""
-    what = p.scheme
-    if p.scheme in ("owt-b", "owt-c"):
+    what, scheme = p.scheme, Scheme(p.scheme)
+    if scheme.has_rounds:
         what += f" fc-batch {p.fc_batch_mode}"
-    if p.scheme not in ("single", "data"):
+    if scheme.exchanges_activations:
         what += f" {p.fc_exchange}/{p.loss}"
     return f"{what} ({p.step_time_s * 1e3:.1f} ms/step, {p.speedup:.2f}x)"
 
@@ -132,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paper", action="store_true", help="compare with the paper's (docs/paper.md) Table 1 speedups")
     p.add_argument("--layers", action="store_true", help="print per-layer FLOPs and parameters")
     p.add_argument("--json", action="store_true", help="print the records as JSON instead of a table")
+    p.add_argument("--verbose", action="store_true", help="show TensorFlow's C++ start-up log lines")
     return p
 
 
@@ -145,6 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"python -m owt_tf.plan: error: --batch-size {args.batch_size} must divide by every "
                   f"--devices value for owt-c (got K={k})", file=sys.stderr)
             return 2
+    start_tensorflow(args.verbose)  # TensorFlow loads only now, after the flags were found good
     hw = preset(args.hardware, max(args.devices))  # first: `cpu` sets up logical devices
     net = network_cost(args.model, args.classes, args.image_size)
     overrides = {f: getattr(args, f) for f in ("flops", "memory_bandwidth", "link_bandwidth", "latency")

@@ -1,6 +1,9 @@
 """The traffic formula against the paper's (docs/paper.md) figures for the paper's AlexNet (B=128, fp32)."""
+from fractions import Fraction
+
 import pytest
 
+from owt_tf.models.cost import NetworkShape
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel import traffic
 
@@ -69,3 +72,35 @@ def test_rounds_share_each_fc_collective_under_one_fc_update_per_step():
     assert launches("owt-c", "global") == 1 + 5 + 4 + 2  # 4 gathers + 1 reduce-scatter
     assert launches("owt-b", "worker") == 1 + 5 + 4 * (4 + 2)
     assert launches("data", "global") == 2
+
+
+def test_colrow_is_a_column_row_pair_with_one_all_reduce_each_way():
+    """colrow, stated independently: hidden layers cut by outputs then by inputs, the pair
+    joined by one all-reduce forward and one backward, and no gather between FC layers (so
+    colrow degraded to gather fails here); gather: one gather and its reduce-scatter per
+    hidden layer. The engine's own layout equals this statement."""
+    from owt_tf.parallel.shards import COL, ROW, split_plan
+
+    assert traffic.layer_splits(3, "colrow") == [traffic.BY_OUTPUTS, traffic.BY_INPUTS,
+                                                 traffic.BY_OUTPUTS]
+    assert traffic.layer_splits(3, "gather") == [traffic.BY_OUTPUTS] * 3
+    as_engine = {traffic.BY_OUTPUTS: COL, traffic.BY_INPUTS: ROW}
+    for layers in (1, 2, 3, 4, 5):
+        for exchange in ("gather", "colrow"):
+            assert split_plan(layers, exchange) == [
+                as_engine[s] for s in traffic.layer_splits(layers, exchange)], (layers, exchange)
+    net = NetworkShape(1000, 64, (32, 32), 10)
+    k, b = 4, 8
+
+    def fc_exchange(exchange, scheme):
+        (t,) = [t for t in traffic.step_transfers(net, scheme, k, b, exchange)
+                if t.purpose == "fc_exchange"]
+        return t
+
+    for scheme, rounds in (("owt-a", 1), ("owt-b", k)):
+        colrow = fc_exchange("colrow", scheme)
+        rows = k * b if scheme == "owt-a" else b
+        assert colrow.calls == 2 * rounds  # one all-reduce forward, one backward, per round
+        assert colrow.nbytes == rounds * 2 * Fraction(2 * (k - 1), k) * rows * 32 * 4
+        gather = fc_exchange("gather", scheme)
+        assert gather.calls == 4  # after each hidden layer: a gather and its reduce-scatter

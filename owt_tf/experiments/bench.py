@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 
 from owt_tf.cli import OneLineParser
 from owt_tf.config import PRECISIONS, SCHEMES, ConfigError
+from owt_tf.parallel.plan import Scheme
 
 
 @dataclasses.dataclass
@@ -115,13 +116,13 @@ class _Config:
 
         self.scheme, self.k, self.jit, self.precision = scheme, k, jit, precision
         self.global_batch = args.batch_size * k
-        run_k = 1 if scheme == "single" else k
+        run_k = 1 if Scheme(scheme) is Scheme.SINGLE else k
         self.batch = self.global_batch // run_k
         spec = build_model(args.model, args.classes, dropout=0.5, image_size=args.image_size)
-        fc_batch = args.fc_batch if scheme in ("owt-b", "owt-c") else "global"
+        fc_batch = args.fc_batch if Scheme(scheme).has_rounds else "global"
         self.fc_batch = fc_batch
         self.hybrid = HybridStrategy(devices[:run_k], scheme, self.batch, fc_batch,
-                                     args.fc_exchange if scheme != "data" else "gather",
+                                     args.fc_exchange if Scheme(scheme).model_parallel else "gather",
                                      args.loss, jit=jit, precision=precision)
         self.model = self.hybrid.build_model(spec, seed=0)
         self.optim = build_optimizer(self.hybrid, self.model, 0.001, 0.001, 0.9, 5e-4)
@@ -186,9 +187,9 @@ def run_bench(args) -> List[BenchRecord]:
     memory: Dict[int, Optional[int]] = {}
     for k in args.devices:
         for scheme in args.schemes:
-            if scheme == "owt-c" and args.batch_size % k:
-                print(f"skip owt-c at K={k}: batch size {args.batch_size} not divisible by {k}",
-                      file=sys.stderr)
+            problem = Scheme(scheme).batch_problem(k, args.batch_size)
+            if problem:
+                print(f"skip {scheme} at K={k}: {problem}", file=sys.stderr)
                 continue
             for jit, precision in [(j, p) for j in jits for p in args.precision]:
                 on_gpu = "GPU" in devices[0]
@@ -221,7 +222,7 @@ def run_bench(args) -> List[BenchRecord]:
         t = statistics.median(times[id(cfg)]) if times[id(cfg)] else None
         ledger = cfg.hybrid.ledger
         records.append(BenchRecord(
-            model=args.model, scheme=cfg.scheme, devices=cfg.k if cfg.scheme != "single" else 1,
+            model=args.model, scheme=cfg.scheme, devices=1 if Scheme(cfg.scheme) is Scheme.SINGLE else cfg.k,
             batch_size=cfg.batch, global_batch=cfg.global_batch, fc_batch=cfg.fc_batch,
             fc_exchange=cfg.hybrid.fc_exchange, loss=cfg.hybrid.loss, jit=cfg.jit,
             precision=cfg.precision,

@@ -8,7 +8,8 @@ import importlib
 _LAZY = {
     "DistributedModel": "owt_tf.parallel.strategy",
     "HybridStrategy": "owt_tf.parallel.strategy",
-    "SchemePlan": "owt_tf.parallel.schemes",
+    "StepRounds": "owt_tf.parallel.plan",
+    "Scheme": "owt_tf.parallel.plan",
     "ParallelPlan": "owt_tf.parallel.plan",
     "parallelize": "owt_tf.parallel.keras_model",
 }

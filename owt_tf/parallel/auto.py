@@ -19,6 +19,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from owt_tf.models.cost import NetworkCost
+from owt_tf.parallel.plan import Scheme
 from owt_tf.parallel.cost_model import (OWT_SCHEMES, Hardware, Prediction, preset, rank,
                                         runner_up)
 # Which preset prices a GPU, by a part of its name (tf.config.experimental.get_device_details).
@@ -57,7 +58,7 @@ class AutoChoice:
 
 
 def _describe_flags(scheme: str, fc_exchange: str, loss: str) -> str:
-    if scheme in ("single", "data"):
+    if not Scheme(scheme).exchanges_activations:
         return scheme
     return f"{scheme} (--fc-exchange {fc_exchange} --loss {loss})"
 
@@ -78,9 +79,9 @@ def choose(net: Optional[NetworkCost], hw: Hardware, k: int, batch_size: int,
                               runner_up(ranked), note)
         note = note or f"no scheme of {', '.join(schemes)} runs at K={k} with this model"
     if k == 1:
-        scheme = "single"
-    elif any(w % k for w in hidden) and "data" in schemes:
-        scheme = "data"
+        scheme = str(Scheme.SINGLE)
+    elif any(w % k for w in hidden) and Scheme.DATA in schemes:
+        scheme = str(Scheme.DATA)
     else:
         scheme = FALLBACK_SCHEME
     return AutoChoice(scheme, "gather", "gathered", hw.name, note=note)
@@ -93,7 +94,7 @@ def run_hardware(devices: Sequence[str]) -> Hardware:
     k = len(devices)
     if not any("GPU" in d.upper() for d in devices):
         from owt_tf.devices import outside_strategy_scope
-        from owt_tf.parallel.cost_model import measure_cpu
+        from owt_tf.parallel.hardware import measure_cpu
 
         # Measured with a strategy of its own, which cannot run inside the caller's scope
         # (parallelize is called in one).

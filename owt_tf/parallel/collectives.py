@@ -1,18 +1,10 @@
-"""Every collective op the engine issues, with its gradient, and the one ledger of bytes moved.
+"""Every collective op the engine issues, with its gradient.
 
 Each wrapper issues one of the strategy's collective ops in replica context, through the
 strategy's own per-replica launcher (its group, instance keys and ordering token), and,
-while a `TrafficLedger` is recording, adds the bytes one worker sends for it (it receives as many:
-all of these collectives are symmetric). Costs follow the ring algorithms that
-CollectiveAllReduce (CPU) and NCCL (GPU) use, as docs/paper.md counts them:
-
-    all-gather of a local block of b bytes over K workers:  (K-1) * b
-    all-reduce of a tensor of T bytes:                      2 (K-1)/K * T
-    reduce-scatter of a tensor of T bytes:                  (K-1)/K * T
-    broadcast of b bytes (average over the K sources):     (K-1)/K * b
-
-except that this module's reduce-scatter is an all-reduce from K = 12 on
-(engine_reduce_scatter_cost, _reduce_scatter_counted).
+while a `TrafficLedger` is recording (owt_tf.parallel.ledger, which also holds the cost of
+each collective and the purposes re-exported here for the engine's calls), adds the bytes
+one worker sends for it (it receives as many: all of these collectives are symmetric).
 
 Shapes are static, so the ledger is filled once, while a step function is traced; the
 backward collectives are counted as their gradient functions are traced. Only each
@@ -22,83 +14,34 @@ The raw collective ops have no gradient (tensorflow/tensorflow#53517): the wrapp
 their own with tf.custom_gradient, so that the backward collective is issued (and counted)
 here too; inside `deferred_backward` they issue the forward only and leave the backward
 to the caller (backward_of_cut), which sends several rounds' gradients in one launch.
-Labels can ride in the activations' collectives as extra columns (pack_riders). ReplicaContext's methods are not used in a step: each all-gather costs two
-launches and O(K) ops there, each all-reduce a merge_call that stops every replica thread
+Labels can ride in the activations' collectives as extra columns (pack_riders).
+ReplicaContext's methods are not used in a step: each all-gather costs two launches and
+O(K) ops there, each all-reduce a merge_call that stops every replica thread
 (_all_gather_counted, _all_reduce_sum_counted).
+
+Why one module over 450 lines: the wrappers, their custom gradients, the deferred-backward
+cuts and the label riders share the launcher and the counting of every byte; split, each
+part would reach into the others' private helpers.
 """
 from __future__ import annotations
 
-import collections
+
 import contextlib
 import dataclasses
-import functools
 import itertools
 from fractions import Fraction
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-# What a byte was moved for. Purposes are the keys of TrafficLedger.by_purpose.
-ACTIVATIONS = "activations"  # last conv activations into the FC layers, and their gradient
-FC_EXCHANGE = "fc_exchange"  # between FC layers (gather of slices, or colrow's all-reduce)
-LOGITS = "logits"  # logits gathered for the loss, or the sharded loss's reductions
-LABELS = "labels"  # labels of the examples the FC layers see
-CONV_GRAD = "conv_grad"  # all-reduce of trunk gradients
-FC_GRAD = "fc_grad"  # all-reduce of FC gradients (pure data parallelism only)
-PURPOSES = (ACTIVATIONS, FC_EXCHANGE, LOGITS, LABELS, CONV_GRAD, FC_GRAD)
-
-
-def all_gather_cost(local_bytes: int, k: int) -> Fraction:
-    return Fraction((k - 1) * local_bytes)
-
-
-def all_reduce_cost(total_bytes: int, k: int) -> Fraction:
-    return Fraction(2 * (k - 1) * total_bytes, k)
-
-
-def reduce_scatter_cost(total_bytes: int, k: int) -> Fraction:
-    return Fraction((k - 1) * total_bytes, k)
-
-
-def broadcast_cost(nbytes: int, k: int) -> Fraction:
-    """(K-1)/K * b per worker for one broadcast of b bytes: every other replica receives it
-    once, (K-1) * b in all, whatever tree TF relays it along (CPU: a binary tree). Scheme (b)
-    broadcasts once from every replica per step, so over a step each worker sends (K-1) * b
-    per round's block on average, as many as when the source sends K-1 copies itself."""
-    return Fraction((k - 1) * nbytes, k)
-
-
-def engine_reduce_scatter_cost(total_bytes: int, k: int) -> Fraction:
-    """What this module's reduce-scatter sends per worker: an all-to-all's (K-1)/K * T, or
-    where TF's all-to-all cannot run (all_to_all_keys_collide), the all-reduce it falls back to."""
-    if all_to_all_keys_collide(k):
-        return all_reduce_cost(total_bytes, k)
-    return reduce_scatter_cost(total_bytes, k)
-
-
-@functools.lru_cache(maxsize=None)
-def all_to_all_keys_collide(k: int) -> bool:
-    """Whether TF's all-to-all over K replicas gives two of its blocks the same rendezvous key.
-
-    TF names the block that replica i sends to replica j `exec_key + str(i) + str(j)`, with no
-    separator (tensorflow/core/common_runtime/all_to_all.cc, AllToAll::DispatchSend; TF 2.21).
-    From K = 12 on, two blocks share a key ((1, 10) and (11, 0) are both "110"): the op fails
-    with "Second consumer arrived for key ..." or "BufRendezvous::ProvideBuf already called",
-    or could hand a block to the wrong replica.
-    """
-    keys = {f"{i}{j}" for i in range(k) for j in range(k)}
-    return len(keys) < k * k
-
-
-def joins_rounds(k: int) -> bool:
-    """Whether a gather (and its backward reduce-scatter) may carry several rounds' rows in
-    one launch with the same numbers: a gather copies, and the all-to-all sums each element
-    over the replicas in replica order, whatever else travels with it. An all-reduce (and
-    the reduce-scatter of all_to_all_keys_collide) sums in an order that depends on where the
-    element falls in the tensor: joined, its rounding changes, so those stay per round."""
-    return not all_to_all_keys_collide(k)
-
+from owt_tf.parallel import launchers, ledger
+# The purposes and cost helpers, re-exported: the engine names a collective's purpose as coll.X.
+from owt_tf.parallel.ledger import (ACTIVATIONS, CONV_GRAD, FC_EXCHANGE, FC_GRAD, LABELS,  # noqa: F401
+                                    LOGITS, PURPOSES, TrafficLedger, all_gather_cost,
+                                    all_reduce_cost, all_to_all_keys_collide, broadcast_cost,
+                                    engine_reduce_scatter_cost, joins_rounds, recording,
+                                    reduce_scatter_cost)
 
 def tensor_bytes(x) -> int:
     shape = x.shape.as_list() if hasattr(x.shape, "as_list") else list(x.shape)
@@ -110,48 +53,12 @@ def tensor_bytes(x) -> int:
     return n * x.dtype.size
 
 
-class TrafficLedger:
-    """Bytes one worker sends per step, by purpose and by collective op."""
-
-    def __init__(self) -> None:
-        self.by_purpose: Dict[str, Fraction] = collections.defaultdict(Fraction)
-        self.by_op: Dict[str, Fraction] = collections.defaultdict(Fraction)
-        self.calls = 0
-
-    def add(self, purpose: str, op: str, nbytes: Fraction, calls: int = 1) -> None:
-        """`calls` = 0: bytes that ride in a collective counted under another purpose."""
-        if purpose not in PURPOSES:
-            raise ValueError(f"unknown traffic purpose {purpose!r}")
-        self.by_purpose[purpose] += nbytes
-        self.by_op[op] += nbytes
-        self.calls += calls
-
-    @property
-    def total(self) -> Fraction:
-        return sum(self.by_purpose.values(), Fraction(0))
-
-    def summary(self) -> Dict[str, float]:
-        return {p: float(self.by_purpose.get(p, 0)) for p in PURPOSES}
-
-
-_recording: list = []
-
-
-@contextlib.contextmanager
-def recording(ledger: TrafficLedger) -> Iterator[TrafficLedger]:
-    """Counts into `ledger` every collective traced inside the block."""
-    _recording.append(ledger)
-    try:
-        yield ledger
-    finally:
-        _recording.pop()
-
-
 def record(purpose: str, op: str, nbytes: Fraction, calls: int = 1) -> None:
     """Adds bytes for a collective issued elsewhere (Keras' gradient all-reduce); counted by
     this process's first replica only. One replica issues no collective: nothing counted."""
-    if _recording and _local_replica_id() == 0 and num_replicas() > 1:
-        _recording[-1].add(purpose, op, nbytes, calls)
+    book = ledger.current()
+    if book is not None and _local_replica_id() == 0 and num_replicas() > 1:
+        book.add(purpose, op, nbytes, calls)
 
 
 def _ctx() -> tf.distribute.ReplicaContext:
@@ -226,8 +133,8 @@ def _all_gather_counted(x: tf.Tensor, axis: int, purpose: str, riders: int = 0) 
     rank = len(x.shape)
     to_front = [axis] + [i for i in range(rank) if i != axis]
     launcher = _launcher()
-    gathered = _carried_as_float16(x, lambda v: launcher._all_gather(  # pylint: disable=protected-access
-        tf.transpose(v, to_front) if axis else v, None))
+    gathered = _carried_as_float16(x, lambda v: launchers.gather_blocks(
+        launcher, tf.transpose(v, to_front) if axis else v))
     if axis:
         gathered = tf.transpose(gathered, [to_front.index(i) for i in range(rank)])
     shape = x.shape.as_list()
@@ -237,16 +144,8 @@ def _all_gather_counted(x: tf.Tensor, axis: int, purpose: str, riders: int = 0) 
 
 
 def _launcher():
-    """The strategy's per-replica collective launcher: its group, instance keys and ordering
-    token. Raw collectives inside strategy.run hang unless ordered with the strategy's own
-    per-device token (auto control dependencies chain them across replicas otherwise)."""
-    ctx = _ctx()
-    cross_device_ops = ctx.strategy.extended._cross_device_ops  # pylint: disable=protected-access
-    launchers = getattr(cross_device_ops, "_launchers", None)
-    if launchers is None:
-        raise RuntimeError("owt_tf needs MirroredStrategy with collective ops (CollectiveAllReduce); "
-                           f"got {type(cross_device_ops).__name__}")
-    return launchers[_local_replica_id()]
+    """This replica's launcher of the strategy's collectives (owt_tf.parallel.launchers)."""
+    return launchers.replica_launcher(_ctx(), _local_replica_id())
 
 
 def _reduce_scatter_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
@@ -263,22 +162,7 @@ def _reduce_scatter_counted(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
     record(purpose, "reduce_scatter", engine_reduce_scatter_cost(tensor_bytes(x), k))
     if all_to_all_keys_collide(k):
         return tf.split(_launcher().all_reduce(x), k, axis=axis)[replica_id()]
-    return tf.reduce_sum(_all_to_all_blocks(tf.stack(tf.split(x, k, axis=axis), axis=0)), axis=0)
-
-
-def _all_to_all_blocks(blocks: tf.Tensor) -> tf.Tensor:
-    """Sends blocks[j] to replica j; returns [K, ...block]: row i is what replica i sent here."""
-    from tensorflow.python.ops import collective_ops  # the strategy's own collective layer
-
-    launcher = _launcher()
-    with tf.device(launcher._device):  # pylint: disable=protected-access
-        exchanged = collective_ops.all_to_all_v2(
-            blocks, launcher._group_size, launcher._group_key,  # pylint: disable=protected-access
-            launcher._next_instance_key(),  # pylint: disable=protected-access
-            communication_hint=launcher._options.implementation.value,  # pylint: disable=protected-access
-            ordering_token=launcher._get_ordering_token())  # pylint: disable=protected-access
-    exchanged.set_shape(blocks.shape)
-    return exchanged
+    return tf.reduce_sum(launchers.all_to_all_blocks(_launcher(), tf.stack(tf.split(x, k, axis=axis), axis=0)), axis=0)
 
 
 def all_gather(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
@@ -511,23 +395,17 @@ def _broadcast_counted(x: tf.Tensor, source: int, purpose: str, riders: int = 0)
     unordered on purpose (tensorflow/python/framework/auto_control_deps.py,
     ASYNC_STATEFUL_OPS), so unlike the all-to-all they need none to avoid a hang.
     """
-    from tensorflow.python.ops import collective_ops  # the strategy's own collective layer
-
     _record_with_riders(purpose, "broadcast", broadcast_cost, x, riders)
-    launcher = _launcher()
-    keys = dict(group_size=launcher._group_size, group_key=launcher._group_key,  # pylint: disable=protected-access
-                instance_key=launcher._next_instance_key(),  # pylint: disable=protected-access
-                communication_hint=launcher._options.implementation.value)  # pylint: disable=protected-access
-    with tf.device(launcher._device):  # pylint: disable=protected-access
+    device, send, recv = launchers.broadcast_ops(_launcher())
+    with tf.device(device):
         if replica_id() == source:
-            return _carried_as_float16(x, lambda v: collective_ops.broadcast_send_v2(v, **keys))
+            return _carried_as_float16(x, send)
         # A receive needs only x's static shape, so nothing would hold it back: when the
         # step's input fails (Keras' last call of an epoch ends in get_next's OutOfRange),
         # it would already be waiting for a send that never comes, and the failed step
         # waits for it forever. It waits for this replica's own x instead.
         with tf.control_dependencies([x]):
-            received = _carried_as_float16(x, lambda v: collective_ops.broadcast_recv_v2(
-                tf.shape(v), v.dtype, **keys))
+            received = _carried_as_float16(x, lambda v: recv(tf.shape(v), v.dtype))
     received.set_shape(x.shape)
     return received
 

@@ -14,7 +14,8 @@ nothing fitted per scheme or per K.
   FC layers compute (a two-stage pipeline); everything else is serial, as in the engine.
 
 Also here: the hardware presets (datasheet figures; the K20's sustained FLOP/s from the
-paper's 1-GPU row; `cpu` measured on this machine), the seed papers' alternatives priced
+paper's 1-GPU row, priced with this model; `cpu` measured on this machine by
+owt_tf.parallel.hardware, which also defines what a machine is), the seed papers' alternatives priced
 with the same primitives, the fastest configuration per K, and the paper's Table 1
 speedups predicted. `python -m owt_tf.plan` prints all of it.
 """
@@ -22,19 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Dict, List, Optional, Sequence
 
 from owt_tf.models.cost import NetworkCost, network_cost
-from owt_tf.parallel.plan import FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, VALUE_BYTES
+from owt_tf.parallel import ledger as coll
+from owt_tf.parallel import traffic
+from owt_tf.parallel.hardware import Hardware, measure_cpu
+from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PARALLEL_SCHEMES,
+                                  SCHEMES, VALUE_BYTES, Scheme)
 
-# owt_tf.parallel's collectives (and with them TensorFlow) are imported inside the functions
-# that price, so that `python -m owt_tf.plan` rejects bad flags before TensorFlow loads.
+# Pure Python (TensorFlow loads only to measure the CPU), so that `python -m owt_tf.plan`
+# rejects bad flags before TensorFlow loads.
 
 F32 = 4
 SGD_BYTES_PER_PARAM = 20  # read w, g, m; write m, w (fp32)
 ELEMENTWISE_PASSES = 4  # write forward output, read it back, write and read its gradient
-OWT_SCHEMES = ("data", "owt-a", "owt-b", "owt-c")
+OWT_SCHEMES = tuple(str(s) for s in PARALLEL_SCHEMES)  # what the planner ranks at K > 1
 ALTERNATIVES = ("model-parallel", "async-ps", "grouped-hybrid")
 GROUP = 2  # Yadan et al.: model parallel within pairs of GPUs
 
@@ -45,26 +49,6 @@ PAPER_ONE_GPU_HOURS = 98.05
 PAPER_EPOCHS = 90
 ILSVRC_TRAIN_IMAGES = 1_281_167
 K20_PEAK_FLOPS = 3.52e12  # Tesla K20 board specification (BD-06455): 3.52 TFLOP/s fp32 peak
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """What the cost model needs to know about a machine. Rates per device, bytes/s, seconds."""
-
-    name: str
-    flops: float  # sustained fp32 FLOP/s of one device
-    memory_bandwidth: float
-    link_bandwidth: float  # one direction
-    latency: float  # per collective launch
-    shared_link: bool  # all workers' traffic crosses one link (PCIe tree via the host)
-    shared_compute: bool = False  # devices share the same cores (logical CPU devices)
-    source: str = ""
-    # bf16/fp16 FLOP/s of one device (tensor cores, AVX512-BF16); None: no faster than fp32
-    low_precision_flops: Optional[float] = None
-
-    def compute_flops(self, precision: str = "fp32") -> float:
-        """Sustained FLOP/s of one device in `precision` (--precision)."""
-        return self.flops if precision == "fp32" else (self.low_precision_flops or self.flops)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,70 +87,11 @@ def preset(name: str, devices: int = 8) -> Hardware:
                    f"the K20 run's utilization, {memory / 1e12:.2f} TB/s HBM, NVLink 4 900 GB/s "
                    "both ways through NVSwitch; ~5 us per collective (NCCL small-message latency)")
     if name == "cpu":
-        return measure_cpu(devices)
+        return measure_cpu(devices)  # owt_tf.parallel.hardware: imports TensorFlow
     raise ValueError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE_NAMES)}")
 
 
 HARDWARE_NAMES = ("k20-pcie", "h100-nvlink", "h200-nvlink", "cpu")
-
-
-def measure_cpu(devices: int) -> Hardware:
-    """This machine's CPU, measured now: matmul FLOP/s, copy bandwidth, and an all-reduce
-    over `devices` logical CPU devices for the collective bandwidth and per-launch latency
-    (none at one device, which exchanges nothing: the logical devices of a run already
-    under way cannot be added to)."""
-    from owt_tf.parallel import collectives as coll
-
-    from owt_tf.devices import logical_cpu_devices, make_strategy
-
-    import tensorflow as tf
-
-    names = logical_cpu_devices(devices)
-    a = tf.random.normal([1024, 1024])
-    flops = 2 * 1024 ** 3 / _best_seconds(lambda: tf.matmul(a, a).numpy())
-    half = tf.cast(a, tf.bfloat16)
-    bf16_flops = 2 * 1024 ** 3 / _best_seconds(lambda: tf.matmul(half, half).numpy())
-    big = tf.random.normal([16 * 1024 * 1024])
-    memory = 2 * 4 * big.shape[0] / _best_seconds(lambda: (big + 1.0).numpy())
-    if devices < 2:
-        return Hardware("cpu", flops=flops, memory_bandwidth=memory, link_bandwidth=memory,
-                        latency=0.0, shared_link=True, shared_compute=True,
-                        source="measured on this machine: 1024^2 matmul, 64 MB add (one "
-                               "device: no collective to measure)")
-    strategy = make_strategy(names[:devices])
-    k = strategy.num_replicas_in_sync
-
-    def all_reduce_seconds(n: int) -> float:
-        @tf.function  # strategy.run called eagerly warns of its overhead
-        def ones():
-            return strategy.run(tf.ones, args=([n],))
-
-        x = ones()
-
-        @tf.function
-        def reduce(v):
-            return strategy.run(lambda t: tf.distribute.get_replica_context().all_reduce("sum", t),
-                                args=(v,))
-        return _best_seconds(lambda: strategy.experimental_local_results(reduce(x))[0].numpy())
-
-    latency = all_reduce_seconds(1)
-    n = 4 * 1024 * 1024
-    bandwidth = float(coll.all_reduce_cost(n * F32, k)) * k / max(all_reduce_seconds(n) - latency, 1e-9)
-    return Hardware("cpu", flops=flops, memory_bandwidth=memory, link_bandwidth=bandwidth,
-                    latency=latency, shared_link=True, shared_compute=True,
-                    low_precision_flops=bf16_flops,
-                    source=f"measured on this machine: 1024^2 matmul (fp32 and bf16), 64 MB add, "
-                           f"all-reduce of 4 B and 16 MB over {k} logical CPU devices")
-
-
-def _best_seconds(fn, repeats: int = 5) -> float:
-    fn()  # warm up (tracing, allocation)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 @dataclasses.dataclass
@@ -192,7 +117,7 @@ class Prediction:
     @property
     def runnable(self) -> bool:
         """Whether owt_tf trains this configuration (the seed papers' alternatives it only prices)."""
-        return self.scheme in OWT_SCHEMES or self.scheme == "single"
+        return self.scheme in SCHEMES
 
     @property
     def key(self) -> tuple:
@@ -206,13 +131,14 @@ class Prediction:
         if not self.runnable:
             return "(not in owt_tf)"
         precision = "" if self.precision == "fp32" else f" --precision {self.precision}"
-        if self.scheme == "single":
+        scheme = Scheme(self.scheme)
+        if scheme is Scheme.SINGLE:
             return (f"--devices 1 --batch-size {self.devices * self.batch_size} --scheme single"
                     + precision)
         flags = f"--devices {self.devices} --batch-size {self.batch_size} --scheme {self.scheme}"
-        if self.scheme in ("owt-b", "owt-c"):
+        if scheme.has_rounds:
             flags += f" --fc-batch {self.fc_batch_mode}"
-        if self.scheme != "data":
+        if scheme.model_parallel:
             flags += f" --fc-exchange {self.fc_exchange} --loss {self.loss}"
         return flags + precision
 
@@ -240,7 +166,7 @@ def _single_seconds(net: NetworkCost, examples: int, hw: Hardware, precision: st
 def _result(scheme, k, b, fc_batch, fc_exchange, loss, compute, comm, hidden, nbytes, baseline,
             fc_batch_mode="global", precision="fp32"):
     step = compute + comm - hidden
-    return Prediction(scheme, k, b, fc_batch, fc_exchange, loss, step, k * b / step, baseline / step,
+    return Prediction(str(scheme), k, b, fc_batch, fc_exchange, loss, step, k * b / step, baseline / step,
                       float(nbytes), compute, comm, hidden, fc_batch_mode, precision)
 
 
@@ -251,15 +177,13 @@ def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int
     `fc_batch` is train's --fc-batch; it matters only to owt-b and owt-c. `precision`
     (--precision): the compute rate, the bytes of element-wise passes and of every
     activation exchanged (weights and their updates stay float32)."""
-    from owt_tf.parallel import collectives as coll, traffic
-
-    b = batch_size
+    b, scheme = batch_size, Scheme(scheme)
     flops, value_bytes = hw.compute_flops(precision), VALUE_BYTES[precision]
     baseline = _single_seconds(net, k * b, hw, precision)
-    if scheme == "single" or k == 1:
+    if scheme is Scheme.SINGLE or k == 1:
         return _result("single", k, b, k * b, "gather", "gathered", baseline, 0.0, 0.0, 0, baseline,
                        precision=precision)
-    if scheme not in ("owt-b", "owt-c"):
+    if not scheme.has_rounds:
         fc_batch = "global"  # the others update the FC layers once per step whatever is asked
     share = k if hw.shared_compute else 1  # logical devices queue for the same cores
     mem = hw.memory_bandwidth / share
@@ -271,12 +195,12 @@ def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int
     nbytes = sum(t.nbytes for t in transfers)
     seconds = {t.purpose: _link_seconds(t.nbytes, t.calls, k, hw) for t in transfers}
     comm = sum(seconds.values())
-    if scheme == "data":
+    if not scheme.model_parallel:
         compute = conv + fc + trunk_update + _update_seconds(net.shape.fc_params, mem)
-        return _result(scheme, k, b, k * b, "gather", "gathered", compute, comm, 0.0, nbytes, baseline,
-                       precision=precision)
-    rounds = k if scheme in ("owt-b", "owt-c") else 1
-    per_round_fc = k * b if scheme == "owt-a" else b
+        return _result(str(scheme), k, b, k * b, "gather", "gathered", compute, comm, 0.0, nbytes,
+                       baseline, precision=precision)
+    rounds = scheme.num_rounds(k)
+    per_round_fc = scheme.fc_rows_per_round(k, b)
     fc_updates = rounds if (fc_batch == "worker" and rounds > 1) else 1
     fc_update = fc_updates * _update_seconds(net.shape.fc_params / k, mem)
     compute = conv + fc + trunk_update + fc_update
@@ -295,8 +219,6 @@ def _model_parallel_exchange(net: NetworkCost, g: int, rows: int, value_bytes: i
     """Bytes and launches per device to split every layer over g devices by output channels:
     the input of every weight layer after the first is all-gathered forward and its gradient
     reduce-scattered backward (rows examples), and so are the logits for the loss."""
-    from owt_tf.parallel import collectives as coll
-
     boundaries = _pooled_boundaries(net) + [l.outputs for l in net.layers if l.kind == "fc"]
     nbytes, calls = 0, 0
     for floats in boundaries:
@@ -326,8 +248,6 @@ def predict_alternative(net: NetworkCost, hw: Hardware, scheme: str, k: int, bat
                         precision: str = "fp32") -> Prediction:
     """The seed papers' alternatives at K devices and the same global batch B*K, computing
     in `precision` (activations in its bytes; weights and gradients float32)."""
-    from owt_tf.parallel import collectives as coll
-
     b = batch_size
     value_bytes = VALUE_BYTES[precision]
     baseline = _single_seconds(net, k * b, hw, precision)
@@ -389,9 +309,10 @@ def plan(net: NetworkCost, hw: Hardware, devices: Sequence[int], batch_size: int
 def _fits(scheme: str, k: int, batch_size: int, hidden: Sequence[int] = ()) -> bool:
     """Whether owt_tf can run `scheme` at K: owt-c splits the batch K ways; every model-parallel
     scheme splits the hidden FC widths K ways."""
-    if scheme == "owt-c" and batch_size % k:
+    scheme = Scheme(scheme)
+    if scheme.batch_problem(k, batch_size):
         return False
-    return scheme == "data" or all(w % k == 0 for w in hidden)
+    return not scheme.model_parallel or all(w % k == 0 for w in hidden)
 
 
 def candidates(net: NetworkCost, hw: Hardware, k: int, batch_size: int,
@@ -407,10 +328,10 @@ def candidates(net: NetworkCost, hw: Hardware, k: int, batch_size: int,
     for scheme in schemes:
         if not _fits(scheme, k, batch_size, net.shape.hidden):
             continue
-        if scheme == "data":
+        if not Scheme(scheme).model_parallel:
             options.append(predict(net, hw, scheme, k, batch_size, precision=precision))
             continue
-        modes = [m for m in fc_batches if m == "global" or scheme in ("owt-b", "owt-c")]
+        modes = [m for m in fc_batches if m == "global" or Scheme(scheme).has_rounds]
         for mode in modes:
             for exchange in FC_EXCHANGES:
                 for loss in LOSS_MODES:

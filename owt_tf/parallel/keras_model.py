@@ -396,7 +396,7 @@ class ParallelModel(keras.Model):
     # -- steps (traced by Keras inside strategy.run) --------------------------------------
     def train_step(self, data):
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)  # fit refused sample weights
-        plan = self._hybrid.scheme_plan(self._static_rows(x))
+        plan = self._hybrid.step_rounds(self._static_rows(x))
         trunk_vars = self.trunk.trainable_variables
         step = tf.cast(self.optimizer.iterations, tf.int64) + self._step_offset
         step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64), step]), tf.int32)
@@ -491,7 +491,7 @@ class ParallelModel(keras.Model):
         _refuse_weights(sample_weight, class_weight)
         train, per_replica = keras_data.training_batches(x, y, batch_size, shuffle,
                                                          self._hybrid.num_replicas)
-        self._hybrid.scheme_plan(per_replica)  # refuses a batch the scheme cannot split
+        self._hybrid.step_rounds(per_replica)  # refuses a batch the scheme cannot split
         self._fresh_function("train_function", train)
         if validation_data is not None:
             validation_data = self._evaluation_data(validation_data, validation_batch_size)
@@ -522,7 +522,7 @@ class ParallelModel(keras.Model):
         its own rows (Keras' own would hand every replica the whole batch)."""
         _refuse_weights(sample_weight, class_weight)
         data, _ = keras_data.training_batches(x, y, len(x), False, self._hybrid.num_replicas)
-        self._hybrid.scheme_plan(len(x) // self._hybrid.num_replicas)
+        self._hybrid.step_rounds(len(x) // self._hybrid.num_replicas)
         return self._one_batch("train_function", self.make_train_function, data, return_dict)
 
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):

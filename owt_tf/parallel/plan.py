@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 
 class Scheme(str, enum.Enum):
     """single: one device; data: plain data parallelism (FC layers mirrored); owt-a/b/c: the
     paper's schemes (a) all-gather, (b) one worker's batch per round, (c) 1/K of every
-    worker's batch per round."""
+    worker's batch per round.
+
+    What a scheme means is asked of it (`model_parallel`, `has_rounds`, `num_rounds`,
+    `round_rows`, ...), never re-derived by comparing its name with a string."""
 
     SINGLE = "single"
     DATA = "data"
@@ -25,6 +28,69 @@ class Scheme(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    @property
+    def model_parallel(self) -> bool:
+        """The FC layers are sharded (one shard per device; one shard in all on one device);
+        under data parallelism they are mirrored."""
+        return self is not Scheme.DATA
+
+    @property
+    def exchanges_activations(self) -> bool:
+        """The last conv activations travel between devices: the paper's schemes (a)-(c)."""
+        return self in (Scheme.OWT_A, Scheme.OWT_B, Scheme.OWT_C)
+
+    @property
+    def has_rounds(self) -> bool:
+        """K rounds a step, each on 1/K of the global batch (schemes (b) and (c))."""
+        return self in (Scheme.OWT_B, Scheme.OWT_C)
+
+    @property
+    def round_from_one_worker(self) -> bool:
+        """Each round's rows all come from one worker (scheme (b)): sent by a broadcast; the
+        other schemes gather a part from every worker."""
+        return self is Scheme.OWT_B
+
+    @property
+    def allows_worker_fc_batch(self) -> bool:
+        """fc_batch='worker' (an FC update after every round) needs rounds of one worker's
+        batch; on one device it is the global batch."""
+        return self.has_rounds or self is Scheme.SINGLE
+
+    def num_rounds(self, num_replicas: int) -> int:
+        return num_replicas if self.has_rounds else 1
+
+    def fc_rows_per_round(self, num_replicas: int, batch_size: int) -> int:
+        """Rows each FC shard processes in one round: the global batch under (a), one worker's
+        batch under (b) and (c), a device's own rows under data and single."""
+        return num_replicas * batch_size if self is Scheme.OWT_A else batch_size
+
+    def round_rows(self, r: int, num_replicas: int, batch_size: int) -> List[int]:
+        """Global-batch row indices of round r (replica k owns rows kB ... kB+B-1): (b) worker
+        r's rows; (c) rows rB/K ... (r+1)B/K-1 of every worker; else every row."""
+        k, b = num_replicas, batch_size
+        if self is Scheme.OWT_B:
+            return list(range(r * b, (r + 1) * b))
+        if self is Scheme.OWT_C:
+            s = b // k
+            return [j * b + r * s + i for j in range(k) for i in range(s)]
+        return list(range(k * b))
+
+    def batch_problem(self, num_replicas: int, batch_size: int) -> Optional[str]:
+        """Why `batch_size` rows per replica cannot be split into this scheme's rounds."""
+        if self is Scheme.OWT_C and batch_size % num_replicas:
+            return (f"owt-c sends batch_size/K examples per round: {batch_size} is not "
+                    f"divisible by K = {num_replicas}")
+        return None
+
+    def devices_problem(self, num_replicas: int) -> Optional[str]:
+        if self is Scheme.SINGLE and num_replicas != 1:
+            return f"scheme 'single' runs on 1 device, got {num_replicas}"
+        return None
+
+
+# The schemes that split a model over several devices, for the planner to rank.
+PARALLEL_SCHEMES = tuple(s for s in Scheme if s is not Scheme.SINGLE)
 
 
 SCHEMES = tuple(s.value for s in Scheme)
@@ -83,14 +149,13 @@ class ParallelPlan:
         _choice("fc_exchange", self.fc_exchange, FC_EXCHANGES)
         _choice("loss", self.loss, LOSS_MODES)
         _choice("precision", self.precision, tuple(PRECISIONS))
-        if self.fc_batch == "worker" and self.scheme not in (Scheme.OWT_B, Scheme.OWT_C,
-                                                             Scheme.SINGLE):
+        if self.fc_batch == "worker" and not self.scheme.allows_worker_fc_batch:
             raise PlanError("fc_batch", "'worker' needs scheme owt-b or owt-c (rounds of one "
                             f"worker's batch), got {self.scheme}")
 
     @property
     def model_parallel(self) -> bool:
-        return self.scheme != Scheme.DATA
+        return self.scheme.model_parallel
 
     @property
     def compute_dtype(self) -> str:
@@ -100,17 +165,18 @@ class ParallelPlan:
     def check_devices(self, num_replicas: int) -> "ParallelPlan":
         if num_replicas < 1:
             raise PlanError("devices", f"need at least 1 device, got {num_replicas}")
-        if self.scheme == Scheme.SINGLE and num_replicas != 1:
-            raise PlanError("devices", f"scheme 'single' runs on 1 device, got {num_replicas}")
+        problem = self.scheme.devices_problem(num_replicas)
+        if problem:
+            raise PlanError("devices", problem)
         return self
 
     def check_batch(self, num_replicas: int, batch_size: int) -> "ParallelPlan":
         """`batch_size` is per replica (the global batch is batch_size * K)."""
         if batch_size < 1:
             raise PlanError("batch_size", f"must be >= 1, got {batch_size}")
-        if self.scheme == Scheme.OWT_C and batch_size % num_replicas:
-            raise PlanError("batch_size", f"owt-c sends batch_size/K examples per round: "
-                            f"{batch_size} is not divisible by K = {num_replicas}")
+        problem = self.scheme.batch_problem(num_replicas, batch_size)
+        if problem:
+            raise PlanError("batch_size", problem)
         return self
 
     def check_widths(self, hidden_widths: Sequence[int], num_replicas: int,
@@ -125,9 +191,36 @@ class ParallelPlan:
                                 f"{num_replicas} devices")
         return self
 
-    def rounds(self, num_replicas: int, batch_size: int):
-        """The rounds of one step at K replicas of `batch_size` rows (a SchemePlan)."""
-        from owt_tf.parallel.schemes import SchemePlan
-
+    def rounds(self, num_replicas: int, batch_size: int) -> "StepRounds":
+        """The rounds of one step at K replicas of `batch_size` rows."""
         self.check_devices(num_replicas).check_batch(num_replicas, batch_size)
-        return SchemePlan(str(self.scheme), num_replicas, batch_size, self.fc_batch)
+        return StepRounds(self.scheme, num_replicas, batch_size, self.fc_batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRounds:
+    """The rounds of one step: `scheme` at K replicas of `batch_size` rows each."""
+
+    scheme: Scheme
+    num_replicas: int
+    batch_size: int
+    fc_batch: str = "global"
+
+    def __post_init__(self):
+        object.__setattr__(self, "scheme", Scheme(self.scheme))
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.scheme.model_parallel
+
+    @property
+    def num_rounds(self) -> int:
+        return self.scheme.num_rounds(self.num_replicas)
+
+    @property
+    def updates_fc_every_round(self) -> bool:
+        return self.fc_batch == "worker"
+
+    def round_rows(self, r: int) -> List[int]:
+        """Global-batch row indices that round r processes (replica k owns rows kB..kB+B-1)."""
+        return self.scheme.round_rows(r, self.num_replicas, self.batch_size)

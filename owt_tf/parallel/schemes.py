@@ -20,48 +20,16 @@ import contextlib
 import dataclasses
 from typing import Callable, List, Optional, Sequence, Tuple
 
-import numpy as np
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.plan import StepRounds
 from owt_tf.parallel.shards import ShardedHead
-
-@dataclasses.dataclass(frozen=True)
-class SchemePlan:
-    """The rounds of one step for `scheme` at K replicas of `batch_size` rows each."""
-
-    scheme: str
-    num_replicas: int
-    batch_size: int
-    fc_batch: str = "global"
-
-    @property
-    def model_parallel(self) -> bool:
-        return self.scheme != "data"
-
-    @property
-    def num_rounds(self) -> int:
-        return self.num_replicas if self.scheme in ("owt-b", "owt-c") else 1
-
-    @property
-    def updates_fc_every_round(self) -> bool:
-        return self.fc_batch == "worker"
-
-    def round_rows(self, r: int) -> np.ndarray:
-        """Global-batch row indices that round r processes (replica k owns rows kB..kB+B-1)."""
-        k, b = self.num_replicas, self.batch_size
-        if self.scheme == "owt-b":
-            return np.arange(r * b, (r + 1) * b)
-        if self.scheme == "owt-c":
-            s = b // k
-            return np.concatenate([np.arange(j * b + r * s, j * b + (r + 1) * s) for j in range(k)])
-        return np.arange(k * b)
-
 
 Backward = Callable[[List[tf.Tensor]], tf.Tensor]
 
 
-def exchange_rounds(plan: SchemePlan, a_local: tf.Tensor, y_local: tf.Tensor,
+def exchange_rounds(plan: StepRounds, a_local: tf.Tensor, y_local: tf.Tensor,
                     num_classes: int) -> Tuple[List[tf.Tensor], List[tf.Tensor], Backward]:
     """Every round's FC input and labels, and the function that turns the rounds' input
     gradients into d loss / d a_local.
@@ -84,7 +52,7 @@ def exchange_rounds(plan: SchemePlan, a_local: tf.Tensor, y_local: tf.Tensor,
         # One op for all rounds: one backward collective (a reduce-scatter), no order among
         # several to get wrong.
         sent = a_local if packed is None else packed
-        if plan.scheme == "owt-b":
+        if plan.scheme.round_from_one_worker:
             received = coll.broadcast_rounds(sent, coll.ACTIVATIONS, riders)
         else:
             received = coll.gather_rounds(sent, plan.num_rounds, coll.ACTIVATIONS, riders)
@@ -131,7 +99,7 @@ class _Forward:
     cuts: List[coll.Cut]  # collectives whose backward is deferred (empty: none deferred)
 
 
-def _forward(plan: SchemePlan, head: ShardedHead, rounds: Sequence[int], inputs: List[tf.Tensor],
+def _forward(plan: StepRounds, head: ShardedHead, rounds: Sequence[int], inputs: List[tf.Tensor],
              labels: List[tf.Tensor], shard: int, training: bool, seed: Optional[tf.Tensor],
              defer: bool, loss_scale: Optional[tf.Tensor]) -> _Forward:
     seeds = [None if seed is None else tf.random.experimental.stateless_fold_in(seed, r) for r in rounds]
@@ -189,7 +157,7 @@ def _cut_groups(cuts: Sequence[coll.Cut]) -> List[List[int]]:
     return groups
 
 
-def run_fc_rounds(plan: SchemePlan, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
+def run_fc_rounds(plan: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
                   shard: int, training: bool, seed: Optional[tf.Tensor],
                   apply_fc_update: FcUpdate,
                   loss_scale: Optional[tf.Tensor] = None) -> RoundsResult:

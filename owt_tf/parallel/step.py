@@ -18,7 +18,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.schemes import RoundsResult, SchemePlan, run_fc_rounds, unscaled
+from owt_tf.parallel.plan import StepRounds
+from owt_tf.parallel.schemes import RoundsResult, run_fc_rounds, unscaled
 from owt_tf.parallel.shards import ShardedHead
 
 # images -> (last conv activations, extra trunk loss or None). The extra loss (a Keras
@@ -37,12 +38,12 @@ class ReplicaStep:
     trunk_loss: Optional[tf.Tensor]  # the trunk's extra loss (regularization), if any
 
 
-def shard_index(plan: SchemePlan) -> int:
+def shard_index(plan: StepRounds) -> int:
     """Which FC shard this replica holds: its replica id (model parallel) or the one copy."""
     return coll.replica_id() if plan.model_parallel else 0
 
 
-def replica_train_step(plan: SchemePlan, head: ShardedHead, trunk_forward: TrunkForward,
+def replica_train_step(plan: StepRounds, head: ShardedHead, trunk_forward: TrunkForward,
                        trunk_variables: Sequence[tf.Variable], images: tf.Tensor,
                        labels: tf.Tensor, seed: Optional[tf.Tensor], apply_trunk: ApplyTrunk,
                        apply_fc: ApplyFc, loss_scale: Optional[tf.Tensor] = None) -> ReplicaStep:

@@ -37,11 +37,11 @@ from owt_tf.parallel import collectives as coll
 from owt_tf.models.cost import NetworkCost
 from owt_tf.parallel.auto import DEFAULT_BATCH, AutoChoice, choose, run_hardware
 from owt_tf.parallel.cost_model import OWT_SCHEMES
-from owt_tf.parallel.plan import AUTO, ParallelPlan, PlanError, check_auto_processes
+from owt_tf.parallel.plan import (AUTO, ParallelPlan, PlanError, Scheme, StepRounds,
+                                  check_auto_processes)
 from owt_tf.parallel.precision import keras_policy
-from owt_tf.parallel.schemes import SchemePlan
 from owt_tf.parallel.shards import ShardedHead, ShardReader, assemble, read_local_shards
-from owt_tf.parallel.step import replica_logits, replica_train_step, shard_index
+from owt_tf.parallel.step import replica_logits, replica_train_step
 
 
 @dataclasses.dataclass
@@ -127,7 +127,7 @@ class HybridStrategy:
             self.devices = replica_devices(self.cluster, self.local_devices)
             self.worker_id = self.cluster.worker_id
         # The rounds of a step at the CLI's fixed batch size (Keras: per batch shape).
-        self.plan: Optional[SchemePlan] = (
+        self.plan: Optional[StepRounds] = (
             self.parallel_plan.rounds(num_replicas, batch_size) if batch_size and not auto else None)
         self.fc_exchange = fc_exchange
         self.loss = loss
@@ -149,7 +149,7 @@ class HybridStrategy:
         batch = self._batch_size or DEFAULT_BATCH
         choice = choose(net, hw, self.num_replicas, batch, self.parallel_plan.fc_batch,
                         schemes, hidden, note, self.parallel_plan.precision)
-        fc_batch = self.parallel_plan.fc_batch if choice.scheme in ("owt-b", "owt-c") else "global"
+        fc_batch = self.parallel_plan.fc_batch if Scheme(choice.scheme).has_rounds else "global"
         self.parallel_plan = ParallelPlan(choice.scheme, fc_batch, choice.fc_exchange,
                                           choice.loss, self.jit, self.parallel_plan.precision)
         self.parallel_plan.check_devices(self.num_replicas)
@@ -186,7 +186,7 @@ class HybridStrategy:
         self._check_chosen()
         return self.parallel_plan.model_parallel
 
-    def scheme_plan(self, batch_size: int) -> SchemePlan:
+    def step_rounds(self, batch_size: int) -> StepRounds:
         """The rounds of a step whose replicas hold `batch_size` rows each."""
         self._check_chosen()
         return self.parallel_plan.rounds(self.num_replicas, batch_size)

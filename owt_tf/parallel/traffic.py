@@ -3,8 +3,9 @@
 Written from the scheme definitions (docs/paper.md), not from the engine's code, so that a test
 can hold the ledger (owt_tf.parallel.collectives, filled while a real step is traced) to
 it exactly; the planner prices schemes with it. Both share only the ring cost of one
-collective (collectives.*_cost); which collectives a step issues, on what sizes, is
-written out here independently. Int32 labels; activations, their gradients and the
+collective (owt_tf.parallel.ledger); which collectives a step issues, on what sizes, and
+how each FC layer is split, are written out here independently: nothing of the engine
+(shards, schemes, collectives) is imported. Int32 labels; activations, their gradients and the
 gathered logits in the compute dtype (4 bytes in fp32, 2 in bf16/fp16); weight gradients and
 the sharded loss's sums always float32.
 """
@@ -15,9 +16,8 @@ from fractions import Fraction
 from typing import Dict, List
 
 from owt_tf.models.cost import NetworkShape
-from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.plan import VALUE_BYTES
-from owt_tf.parallel.shards import COL, ROW, padded, split_plan
+from owt_tf.parallel import ledger as coll
+from owt_tf.parallel.plan import VALUE_BYTES, Scheme
 
 F32 = 4
 I32 = 4
@@ -27,6 +27,21 @@ _gather = coll.all_gather_cost
 _reduce = coll.all_reduce_cost
 _bcast = coll.broadcast_cost
 _scatter = coll.engine_reduce_scatter_cost  # an all-reduce from K = 12 on (TF's all-to-all)
+
+BY_OUTPUTS, BY_INPUTS = "by outputs", "by inputs"
+
+
+def layer_splits(num_layers: int, fc_exchange: str) -> List[str]:
+    """How each FC layer is cut over the devices, from the definitions: 'gather' cuts every
+    layer by its output units and all-gathers each hidden output; 'colrow' (Megatron's
+    pairing) cuts hidden layers alternately by outputs and by inputs, so that each pair needs
+    one all-reduce of the second layer's partial sums and no gather between the two; the
+    class layer is always cut by classes."""
+    if fc_exchange == "gather":
+        return [BY_OUTPUTS] * num_layers
+    if fc_exchange == "colrow":
+        return [BY_INPUTS if i % 2 else BY_OUTPUTS for i in range(num_layers - 1)] + [BY_OUTPUTS]
+    raise ValueError(f"unknown fc_exchange {fc_exchange!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +67,8 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     if k == 1:
         return []
     out = [Transfer(coll.CONV_GRAD, _reduce(net.trunk_params * F32, k), 1)]
-    if scheme == "data":
+    scheme = Scheme(scheme)
+    if scheme is Scheme.DATA:
         return out + [Transfer(coll.FC_GRAD, _reduce(net.fc_params * F32, k), 1)]
     b, d = batch_size, net.features
     value = VALUE_BYTES[precision]
@@ -60,16 +76,16 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     # launch of their own, the bytes of a gather of them; a 2-byte float cannot hold every
     # label exactly, so in bf16/fp16 they are gathered on their own
     out.append(Transfer(coll.LABELS, _gather(b * I32, k), 0 if value == F32 else 1))
-    if scheme in ("owt-a", "single"):
+    if scheme in (Scheme.OWT_A, Scheme.SINGLE):
         rounds, n = 1, k * b
         # forward: gather every worker's block; backward: reduce-scatter the gradient
         act, act_calls = _gather(b * d * value, k) + _scatter(k * b * d * value, k), 2
-    elif scheme == "owt-b":
+    elif scheme is Scheme.OWT_B:
         rounds, n = k, b
         # K broadcasts, one from each worker; the gradients of all K rounds go back to
         # their owners at once (a reduce-scatter, as in scheme (a))
         act, act_calls = k * _bcast(b * d * value, k) + _scatter(k * b * d * value, k), k + 1
-    elif scheme == "owt-c":
+    elif scheme is Scheme.OWT_C:
         rounds, n = k, b
         s = b // k
         # each round: gather B/K rows of every worker; backward: the gradients of all K
@@ -82,17 +98,17 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     # step; an all-reduce always once per round (collectives.joins_rounds)
     passes = 1 if fc_batch != "worker" and coll.joins_rounds(k) else rounds
     widths = list(net.hidden) + [net.num_classes]
-    plan = split_plan(len(widths), fc_exchange)
+    splits = layer_splits(len(widths), fc_exchange)
     fc, fc_calls = Fraction(0), 0
     for i, width in enumerate(widths[:-1]):
-        if plan[i] == ROW:
+        if splits[i] == BY_INPUTS:
             fc += 2 * _reduce(n * width * value, k)  # partial sums forward, gradient backward
             fc_calls += 2 * rounds
-        elif plan[i] == COL and plan[i + 1] == COL:
+        elif splits[i + 1] == BY_OUTPUTS:  # the next layer needs this one's whole output
             fc += _gather(n * width // k * value, k) + _scatter(n * width * value, k)
             fc_calls += 2 * passes
     out.append(Transfer(coll.FC_EXCHANGE, rounds * fc, fc_calls))
-    classes = padded(net.num_classes, k)
+    classes = -(-net.num_classes // k) * k  # the class layer's columns, padded to K shards
     if loss == "sharded":
         # max: gathered without gradient; normalizer and target logit: one all-reduce of
         # [n, 2] each way
