@@ -139,3 +139,29 @@ def test_a_run_with_the_old_flat_run_config_still_loads_and_resumes(devices, tmp
 
     resumed = _fit(devices, config.replace(steps=3), 3)  # the flat identity is accepted
     assert resumed.resumed_from.endswith("ckpt-2") and int(resumed.step) == 3
+
+
+def test_checkpoints_use_the_keras_files_keys_and_old_momentum_names_still_load(devices, tmp_path):
+    """One key scheme for the head's state (owt_tf.parallel.head_state): a CLI checkpoint
+    names SGD's momentum as slot 0, as a Keras weights file does; a checkpoint written with
+    the names of earlier versions (fc{i}_kernel_momentum) resumes exactly."""
+    base = RunConfig.from_flags(scheme="owt-b", devices=2, batch_size=8, fc_batch="worker",
+                                steps=8, eval_every=0, checkpoint_every=0, seed=5)
+    whole = _fit(devices, base.replace(logdir=str(tmp_path / "whole")), 8)
+    old_dir = str(tmp_path / "old")
+    first = _fit(devices, base.replace(logdir=old_dir), 4)
+    path = first.checkpoints.manager.latest_checkpoint
+    names = {n.split("/.ATTRIBUTES/")[-1] for n, _ in tf.train.list_variables(path)
+             if n.startswith("fc/")}
+    assert {"fc0_kernel", "fc0_kernel_slot0", "fc2_bias_slot0", "fc_optimizer_kind"} <= names
+    first.checkpoints.fc_state.legacy = True  # rewrite it as earlier versions named it
+    first.checkpoints.checkpoint.write(path)
+    legacy = {n.split("/.ATTRIBUTES/")[-1] for n, _ in tf.train.list_variables(path)
+              if n.startswith("fc/")}
+    assert "fc0_kernel_momentum" in legacy and not any("slot" in n for n in legacy)
+    resumed = _fit(devices, base.replace(logdir=old_dir), 8)
+    assert resumed.resumed_from.endswith("ckpt-4")
+    _assert_same_weights(resumed.model.full_weights(), whole.model.full_weights())
+    resumed.checkpoints.manager.save(checkpoint_number=9)  # saves in the current names again
+    assert "fc0_kernel_slot0" in {n.split("/.ATTRIBUTES/")[-1] for n, _ in
+                                  tf.train.list_variables(resumed.checkpoints.manager.latest_checkpoint)}

@@ -36,23 +36,13 @@ import tensorflow as tf
 from owt_tf.devices import outside_strategy_scope
 from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel import keras_data
+from owt_tf.parallel import head_state, keras_data
+from owt_tf.parallel.keras_compile import (CompileError, KerasShardOptimizer,  # noqa: F401
+                                           per_example_loss, rate_ratio, refuse_optimizer,
+                                           refuse_settings)
 from owt_tf.parallel.plan import AUTO, PlanError
-from owt_tf.parallel.shards import ShardedHead
 from owt_tf.parallel.step import replica_logits, replica_train_step
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
-
-# Optimizers whose update of each weight depends only on that weight's own gradient and
-# state, so that updating a shard equals updating its part of the whole layer.
-# The key under which a file names the kind of optimizer whose slots it holds.
-FC_OPTIMIZER_KIND = "fc_optimizer_kind"
-ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
-                          "Adamax", "Lion", "Ftrl")
-
-
-class CompileError(ValueError):
-    """A compile setting a parallelized model cannot honour (the message says why)."""
-
 
 class TrainingCallError(RuntimeError):
     """Training outside Keras' loops, which a parallelized model cannot honour."""
@@ -108,162 +98,6 @@ def _choose_scheme(hybrid: HybridStrategy, split: KerasSplit, name: str):
     return hybrid.choose_scheme(net, split.head.hidden, ("owt-a", "owt-b", "owt-c"), note)
 
 
-class _ShardOptimizers:
-    """One clone of a Keras optimizer per local FC shard, built on that shard's variables on
-    its device, outside the strategy's scope. A plain object, so that Keras' saver does not
-    walk the clones (their number depends on K); the model saves their slots whole."""
-
-    def __init__(self, template: keras.optimizers.Optimizer, head: ShardedHead,
-                 devices: List[str], trunk_optimizer, lr_ratio: float,
-                 own_schedule: bool = False):
-        name = type(template).__name__
-        if name not in ELEMENTWISE_OPTIMIZERS:
-            raise CompileError(f"optimizer {name}: its update is not element-wise, so a shard's "
-                               f"update would differ from the whole layer's (supported: "
-                               f"{', '.join(ELEMENTWISE_OPTIMIZERS)})")
-        config = template.get_config()
-        self.head = head
-        self.trunk_optimizer = trunk_optimizer
-        self.lr_ratio = lr_ratio
-        self.weight_decay = template.weight_decay
-        self.kind = type(template).__name__
-        # An fc_optimizer with a rate schedule follows it, on its own step count (one per FC
-        # update: K a step with fc_batch='worker', as K plain Keras updates would advance it).
-        self.own_schedule = own_schedule and isinstance(
-            template.get_config()["learning_rate"], dict)
-
-        def build():
-            clones = {}
-            for k in head.local_shards:
-                with tf.device(devices[k]):
-                    clone = type(template).from_config(config)
-                    clone.build(head.shard_variables(k))
-                clones[k] = clone
-            return clones
-
-        self.clones: Dict[int, keras.optimizers.Optimizer] = outside_strategy_scope(build)
-        self.num_slots = self._check_slots()
-
-    def _state(self, k: int) -> List:
-        """The clone's per-variable state (iteration and rate left out), variable by variable:
-        Keras builds each variable's slots together ([m0, v0, m1, v1, ...] for Adam)."""
-        return [v for v in self.clones[k].variables if v.name not in ("iteration", "learning_rate")]
-
-    def _check_slots(self) -> int:
-        k = self.head.local_shards[0]
-        variables, state = self.head.shard_variables(k), self._state(k)
-        n = len(variables)
-        per_variable = len(state) // n
-        if len(state) % n or any(tuple(s.shape) != tuple(variables[i // per_variable].shape)
-                                 for i, s in enumerate(state)):
-            raise CompileError(f"optimizer {type(self.clones[k]).__name__} with these settings: "
-                               "its state is not a fixed number of tensors shaped like each "
-                               "weight, so it cannot be split with the weights")
-        return len(state) // n
-
-    def slots(self, k: int) -> List[List]:
-        """[slot s][variable i] of shard k, variables in head.shard_variables order."""
-        state, n = self._state(k), len(self.head.shard_variables(k))
-        state = [v.value if hasattr(v, "value") else v for v in state]
-        return [[state[i * self.num_slots + s] for i in range(n)] for s in range(self.num_slots)]
-
-    def flat_slots(self, k: int) -> List:
-        """Shard k's slots, slot by slot, each in head.shard_variables order."""
-        return [v for slot in self.slots(k) for v in slot]
-
-    def learning_rate(self, shard: int) -> tf.Tensor:
-        """Shard `shard`'s current rate: the fc_optimizer's own schedule, if it has one; else
-        the trunk optimizer's current rate (its schedule, LearningRateScheduler) times the
-        ratio set at compile."""
-        if self.own_schedule:
-            return tf.cast(self.clones[shard].learning_rate, tf.float32)
-        return tf.cast(self.trunk_optimizer.learning_rate, tf.float32) * self.lr_ratio
-
-    def apply(self, shard: int, grads: List[tf.Tensor]) -> None:
-        """Keras' own update on this shard: decoupled weight decay (as Keras applies it,
-        before the step, at the current rate), then the optimizer's update_step."""
-        clone = self.clones[shard]
-        lr = self.learning_rate(shard)
-        for g, v in zip(grads, self.head.shard_variables(shard)):
-            if self.weight_decay:
-                v.assign_sub(v * tf.cast(self.weight_decay * lr, v.dtype))
-            clone.update_step(g, v, lr)
-        with tf.control_dependencies(grads):  # see ParallelModel._after_data
-            clone.iterations.assign_add(1)
-
-
-def _initial_rate(optimizer: keras.optimizers.Optimizer) -> float:
-    lr = optimizer.get_config()["learning_rate"]
-    if isinstance(lr, dict):  # a serialized schedule: its rate at step 0
-        lr = keras.optimizers.schedules.deserialize(lr)(0)
-    return float(lr)
-
-
-def _rate_ratio(optimizer, fc_optimizer) -> float:
-    """FC rate / trunk rate, fixed at compile (1 without an fc_optimizer)."""
-    if fc_optimizer is None:
-        return 1.0
-    trunk_rate = _initial_rate(optimizer)
-    if trunk_rate <= 0:
-        raise CompileError("with fc_optimizer, the trunk optimizer's rate at step 0 must be > 0 "
-                           "(the FC rate follows it in the ratio of the two)")
-    return _initial_rate(keras.optimizers.get(fc_optimizer)) / trunk_rate
-
-
-def _same_rank(labels: tf.Tensor, outputs: tf.Tensor):
-    """Keras' rank rule for a loss function (`squeeze_or_expand_to_same_rank`, applied by its
-    `LossFunctionWrapper`): when the ranks differ by one and the longer has a last axis of 1,
-    rank-1 labels gain that axis, else the longer loses it."""
-    lr, orank = labels.shape.rank, outputs.shape.rank
-    if lr == orank + 1 and labels.shape[-1] == 1:
-        return (labels, outputs[:, None]) if orank == 1 else (tf.squeeze(labels, -1), outputs)
-    if orank == lr + 1 and outputs.shape[-1] == 1:
-        return (labels[:, None], outputs) if lr == 1 else (labels, tf.squeeze(outputs, -1))
-    return labels, outputs
-
-
-class _FunctionLoss(keras.losses.Loss):
-    """A string or plain-function loss as Keras' compile wraps it (ranks aligned first)."""
-
-    def __init__(self, fn):
-        super().__init__(name=getattr(fn, "__name__", None))
-        self.fn = fn
-
-    def call(self, y_true, y_pred):
-        return self.fn(*_same_rank(y_true, y_pred))
-
-
-def _per_example_loss(loss):
-    """(labels, outputs) -> per-example values of the compiled loss (a mean over each
-    round's rows is taken by the engine, as Keras' default reduction does).
-
-    A string or plain function is wrapped in `LossFunctionWrapper` as Keras' compile does, so
-    that labels and outputs are brought to the same rank first ([B] labels against a [B, 1]
-    head); labels are converted to the loss's dtype as `Loss.__call__` does."""
-    if loss is None:
-        raise CompileError("loss is required")
-    fn = keras.losses.get(loss)
-    if not isinstance(fn, keras.losses.Loss):
-        fn = _FunctionLoss(fn)
-    config = fn.get_config()
-    if config.get("reduction") not in ("sum_over_batch_size", "mean"):
-        raise CompileError(f"loss reduction {config.get('reduction')!r} is not supported "
-                           "(the loss is averaged over each round's rows)")
-    if config.get("ignore_class") is not None:
-        raise CompileError("ignore_class is not supported (the loss is averaged over "
-                           "every row of a round)")
-    dtype = tf.as_dtype(fn.dtype or "float32")
-
-    def per_example(labels, outputs):
-        values = fn.call(tf.cast(labels, dtype), outputs)
-        if values.shape.rank != 1:
-            raise CompileError(f"the loss must give one value per example; it gave shape "
-                               f"{values.shape}")
-        return values
-
-    return per_example
-
-
 def _refuse_weights(sample_weight, class_weight) -> None:
     if class_weight is not None or sample_weight is not None:
         raise keras_data.DataError("class and sample weights are not supported by a "
@@ -294,7 +128,7 @@ class ParallelModel(keras.Model):
         trunk.set_weights(split.trunk.get_weights())
         self.trunk = trunk
         self.head = hybrid.place_head(split.head, split.head_weights, split.compute_dtype)
-        self._fc_optimizer: Optional[_ShardOptimizers] = None
+        self._fc_optimizer: Optional[KerasShardOptimizer] = None
         self._pending_fc_slots: Optional[Dict[str, np.ndarray]] = None
         self.built = True
 
@@ -309,12 +143,13 @@ class ParallelModel(keras.Model):
         `optimizer`). Its learning rate relative to `optimizer`'s is kept through schedules
         and LearningRateScheduler: the paper's recipe is `optimizer=SGD(lr * K)`,
         `fc_optimizer=SGD(lr)` with fc_batch='worker'."""
-        self._refuse_settings(steps_per_execution, run_eagerly, jit_compile, loss, kwargs)
+        refuse_settings(self._hybrid.loss, steps_per_execution, run_eagerly, jit_compile, loss,
+                        kwargs)
         with self._hybrid.scope():
             optimizer = keras.optimizers.get(optimizer)
         fc_template = keras.optimizers.get(fc_optimizer) if fc_optimizer is not None else optimizer
         for opt in (optimizer, fc_template):
-            self._refuse_optimizer(opt)
+            refuse_optimizer(opt, getattr(self, "optimizer", None))
         previous = getattr(self, "optimizer", None)
         if previous is not None and previous is not optimizer:
             # A recompile: the head's dropout masks go on from where the last optimizer's
@@ -328,9 +163,9 @@ class ParallelModel(keras.Model):
         if not trunk_optimizer.built:
             with self._hybrid.scope():
                 trunk_optimizer.build(self.trunk.trainable_variables)
-        self.head.per_example_loss = _per_example_loss(loss)
-        self._fc_optimizer = _ShardOptimizers(fc_template, self.head, self._hybrid.devices,
-                                              trunk_optimizer, _rate_ratio(optimizer, fc_optimizer),
+        self.head.per_example_loss = per_example_loss(loss)
+        self._fc_optimizer = KerasShardOptimizer(fc_template, self.head, self._hybrid.devices,
+                                              trunk_optimizer, rate_ratio(optimizer, fc_optimizer),
                                               own_schedule=fc_optimizer is not None)
         if self._pending_fc_slots is not None:
             self._restore_fc_slots(self._pending_fc_slots)
@@ -351,47 +186,6 @@ class ParallelModel(keras.Model):
             with self._hybrid.scope():
                 optimizer.__init__(**config)
         return optimizer
-
-    def _refuse_settings(self, steps_per_execution, run_eagerly, jit_compile, loss, kwargs):
-        if steps_per_execution != 1:
-            raise CompileError(f"steps_per_execution={steps_per_execution!r} is not supported "
-                               "(1 only): Keras fails with more under MirroredStrategy "
-                               "(keras-team/keras#19246)")
-        if kwargs.get("loss_scale_factor") is not None:
-            raise CompileError("loss_scale_factor is not supported (the shards' updates would "
-                               "not be scaled like the trunk's)")
-        if run_eagerly:
-            raise CompileError("run_eagerly=True is not supported: the forward gather and the "
-                               "backward all-to-all of different replicas deadlock when run op "
-                               "by op")
-        if jit_compile is True:
-            raise CompileError("jit_compile=True on the whole step is not supported: XLA cannot "
-                               "hold variables of several devices in one cluster; use "
-                               "HybridStrategy(jit=True), which compiles each trunk")
-        if isinstance(loss, (dict, list, tuple)) or kwargs.get("loss_weights"):
-            raise CompileError("one loss for one output only (the model has one output)")
-        if self._hybrid.loss == "sharded":
-            raise CompileError("HybridStrategy(loss='sharded') computes its own cross-entropy; "
-                               "use loss='gathered' with a compiled loss")
-
-    def _refuse_optimizer(self, opt):
-        if isinstance(opt, keras.optimizers.LossScaleOptimizer):
-            raise CompileError("LossScaleOptimizer is not supported (float32 only)")
-        for attr, why in (("clipvalue", "Keras clips each replica's part of a trunk "
-                                        "gradient, not the sum"),
-                          ("clipnorm", "a norm over a whole FC layer spans its shards"),
-                          ("global_clipnorm", "a norm over all weights spans the shards"),
-                          ("use_ema", "EMA weights are not kept for shards"),
-                          ("gradient_accumulation_steps", "accumulation is not supported")):
-            if getattr(opt, attr, None):
-                raise CompileError(f"optimizer {attr}: not supported ({why})")
-        if opt.built and opt is not getattr(self, "optimizer", None):
-            raise CompileError("pass an optimizer that has not been used yet (it is rebuilt "
-                               "inside the strategy's scope)")
-        # Exclusions are not in the optimizer's config, so its copies would decay every weight.
-        if getattr(opt, "_exclude_from_weight_decay", None) or getattr(
-                opt, "_exclude_from_weight_decay_pattern", None):
-            raise CompileError("exclude_from_weight_decay is not supported")
 
     # -- steps (traced by Keras inside strategy.run) --------------------------------------
     def train_step(self, data):
@@ -584,7 +378,8 @@ class ParallelModel(keras.Model):
         head = weights[n:]
         state = {}
         for i in range(len(self.head.layers)):
-            state[f"fc{i}_kernel"], state[f"fc{i}_bias"] = head[2 * i], head[2 * i + 1]
+            for j, part in enumerate(("kernel", "bias")):
+                state[head_state.weight_key(i, part)] = head[2 * i + j]
         self._restore_head(state)
 
     def to_keras_model(self) -> keras.Model:
@@ -621,55 +416,27 @@ class ParallelModel(keras.Model):
         self._restore_head(state)
 
     def _head_state(self) -> Dict[str, np.ndarray]:
-        head = self.head
-        state = {}
-        for i, (kernel, bias) in enumerate(self.fc_weights()):
-            state[f"fc{i}_kernel"], state[f"fc{i}_bias"] = kernel, bias
-        if self._fc_optimizer is not None:
-            opt = self._fc_optimizer
-            per_shard = self._hybrid.read_shards({k: opt.flat_slots(k) for k in head.local_shards})
-            for s, layers in enumerate(head.join_groups(per_shard, opt.num_slots)):
-                for i, (kernel, bias) in enumerate(layers):
-                    state[f"fc{i}_kernel_slot{s}"], state[f"fc{i}_bias_slot{s}"] = kernel, bias
-            first = opt.clones[head.local_shards[0]]
-            state["fc_iterations"] = np.asarray(first.iterations.numpy())
-            state[FC_OPTIMIZER_KIND] = np.frombuffer(opt.kind.encode(), np.uint8)
-        return state
+        return head_state.head_arrays(self.head, self._fc_optimizer, self._hybrid.read_shards)
 
     def _restore_head(self, state: Dict[str, np.ndarray]) -> None:
-        head = self.head
-        for i, layer in enumerate(head.layers):
-            kernel, bias = state[f"fc{i}_kernel"], state[f"fc{i}_bias"]
-            if kernel.shape != (layer.in_dim, layer.out_dim):
-                raise ValueError(f"{self._dense_names[i]}: saved as {kernel.shape}, this model "
-                                 f"has {(layer.in_dim, layer.out_dim)}")
-            head.assign_whole(head.shard_variables, 0, i, kernel, bias)
-        slots = {k: v for k, v in state.items()
-                 if "_slot" in k or k in ("fc_iterations", FC_OPTIMIZER_KIND)}
-        if not slots:
+        head_state.restore_weights(self.head, state, self._dense_names)
+        if not any("_slot" in k for k in state):
             return
         if self._fc_optimizer is None:  # loaded before compile: applied by compile
-            self._pending_fc_slots = slots
+            self._pending_fc_slots = state
         else:
-            self._restore_fc_slots(slots)
+            self._restore_fc_slots(state)
 
     def _restore_fc_slots(self, state: Dict[str, np.ndarray]) -> None:
         """The FC optimizer's slots and step count, if they were saved by the same kind of
         optimizer with as many slots; else fresh ones are kept with a warning, as Keras does
         for an optimizer whose saved state does not match."""
-        head, opt = self.head, self._fc_optimizer
-        saved_kind = (bytes(np.asarray(state[FC_OPTIMIZER_KIND], np.uint8)).decode()
-                      if FC_OPTIMIZER_KIND in state else None)  # files before the kind was kept
-        saved_slots = len({k.rsplit("_slot", 1)[1] for k in state if "_slot" in k})
-        if (saved_kind or opt.kind) != opt.kind or saved_slots != opt.num_slots:
+        opt = self._fc_optimizer
+        if not head_state.slots_fit(state, opt):
             warnings.warn(f"Skipping the FC optimizer state: it was saved by "
-                          f"{saved_kind or 'an optimizer'} with {saved_slots} slot(s) per weight; "
-                          f"this model's FC optimizer is {opt.kind} with {opt.num_slots}",
-                          stacklevel=2)
+                          f"{head_state.saved_kind(state) or 'an optimizer'} with "
+                          f"{head_state.saved_slots(state)} slot(s) per weight; this model's FC "
+                          f"optimizer is {opt.kind} with {opt.num_slots}", stacklevel=2)
             return
-        for s in range(opt.num_slots):
-            for i in range(len(head.layers)):
-                head.assign_whole(opt.flat_slots, s, i, state[f"fc{i}_kernel_slot{s}"],
-                                  state[f"fc{i}_bias_slot{s}"])
-        for clone in opt.clones.values():
-            clone.iterations.assign(int(state.get("fc_iterations", 0)))
+        head_state.restore_slots(self.head, state, opt)
+        opt.sync_iterations()

@@ -36,6 +36,8 @@ import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.trackable import base as trackable  # _serialize_to_tensors API
 
+from owt_tf.parallel import head_state
+from owt_tf.parallel.head_state import HeadStateMismatch
 from owt_tf.parallel.shards import ShardReader, read_local_shards
 
 CONFIG_FILE = "run_config.json"
@@ -44,7 +46,7 @@ CONFIG_FILE = "run_config.json"
 IDENTITY_KEY = "identity"
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(HeadStateMismatch):
     """The logdir's checkpoint belongs to another network or class count."""
 
 
@@ -112,50 +114,43 @@ def _warn(line: str) -> None:
 
 
 class FcState(trackable.Trackable):
-    """Every FC layer and its momentum as full tensors, whatever the device layout.
+    """Every FC layer and its momentum as whole tensors, whatever the device layout, under
+    the key scheme both front doors share (owt_tf.parallel.head_state).
 
     In a cluster each process holds only its own shards; `read_shards` then gathers the
     others' (a collective: every worker saves, as TF's multi-worker checkpointing asks).
-    Restoring assigns each process's own shards from the full tensors.
+    Restoring assigns each process's own shards from the whole tensors. `legacy`: the
+    checkpoint being restored names the momentum as before the shared scheme.
     """
 
     def __init__(self, model, optim, read_shards: ShardReader = read_local_shards):
         self._head = model.head
         self._optim = optim
         self._read = read_shards
+        self.legacy = False
 
-    def _momenta(self, k: int) -> List[tf.Variable]:
-        """Shard k's momentum variables, in the order of head.shard_variables(k)."""
-        return self._optim.fc.slots(k)
-
-    def _shard_state(self, k: int) -> List[tf.Variable]:
-        """[W0, b0, W1, b1, ..., then their momenta in the same order] of shard k."""
-        return self._head.shard_variables(k) + self._momenta(k)
-
-    # Names without "/": TF escapes "/" differently when saving and restoring these tensors.
     def full_tensors(self) -> Dict[str, np.ndarray]:
-        values = self._read({k: self._shard_state(k) for k in self._head.local_shards})
-        tensors = {}
-        for name, layers in zip(("", "_momentum"), self._head.join_groups(values, 2)):
-            for i, (kernel, bias) in enumerate(layers):
-                tensors[f"fc{i}_kernel{name}"], tensors[f"fc{i}_bias{name}"] = kernel, bias
-        return tensors
+        return head_state.head_arrays(self._head, self._optim.fc, self._read)
 
     def _serialize_to_tensors(self) -> Dict[str, tf.Tensor]:
-        return {k: tf.constant(v) for k, v in self.full_tensors().items()}
+        tensors = {k: tf.constant(v) for k, v in self.full_tensors().items()}
+        if self.legacy:  # the names TF looks up in an old checkpoint (slot 0 was "momentum")
+            tensors = {_legacy_name(k): v for k, v in tensors.items() if k != head_state.KIND_KEY}
+        return tensors
 
     def _restore_from_tensors(self, restored_tensors: Dict[str, tf.Tensor]):
-        ops = []
-        for i, layer in enumerate(self._head.layers):
-            for group, name in enumerate(("", "_momentum")):
-                kernel = np.asarray(restored_tensors[f"fc{i}_kernel{name}"])
-                bias = np.asarray(restored_tensors[f"fc{i}_bias{name}"])
-                if kernel.shape != (layer.in_dim, layer.out_dim):
-                    raise CheckpointMismatch(
-                        f"FC layer {i} was saved as {kernel.shape}, this model has "
-                        f"{(layer.in_dim, layer.out_dim)}")
-                ops += self._head.assign_whole(self._shard_state, group, i, kernel, bias)
+        arrays = {k: np.asarray(v) for k, v in restored_tensors.items()}
+        ops = head_state.restore_weights(self._head, arrays)
+        if not head_state.slots_fit(arrays, self._optim.fc):
+            raise HeadStateMismatch(f"the checkpoint's FC optimizer state "
+                                    f"({head_state.saved_kind(arrays)}) is not this run's SGD")
+        ops += head_state.restore_slots(self._head, arrays, self._optim.fc)
         return tf.group(ops)
+
+
+def _legacy_name(key: str) -> str:
+    """fc{i}_kernel_slot0 -> fc{i}_kernel_momentum (checkpoints before the shared scheme)."""
+    return key.replace("_slot0", head_state.LEGACY_SGD_SLOT)
 
 
 class RunCheckpoints:
@@ -178,8 +173,9 @@ class RunCheckpoints:
         self.max_to_keep = max_to_keep
         # Only the run's writer moves damaged checkpoints aside; readers leave files alone.
         self.moves_damaged = is_chief and not read_only
+        self.fc_state = FcState(model, optim, read_shards)
         required = dict(trunk=model.trunk, trunk_optimizer=optim.trunk.optimizer,
-                        fc=FcState(model, optim, read_shards), step=step, **(counters or {}))
+                        fc=self.fc_state, step=step, **(counters or {}))
         # Saved, but a checkpoint without them restores too (keeping their initial values):
         # state only some runs have, e.g. fp16's loss scale in a run resumed from fp32.
         self.optional = dict(optional_counters or {})
@@ -242,15 +238,19 @@ class RunCheckpoints:
     def _restore(self, path: str) -> None:
         """Restores `path` after reading it back whole; CheckpointDamaged if it cannot be."""
         verify_checkpoint(path)
-        saved = {name.split("/")[0] for name, _ in tf.train.list_variables(path)}
+        listed = [name for name, _ in tf.train.list_variables(path)]
+        saved = {name.split("/")[0] for name in listed}
+        self.fc_state.legacy = any(name.endswith(head_state.LEGACY_SGD_SLOT) for name in listed)
         checkpoint = (self.checkpoint if all(name in saved for name in self.optional)
                       else self._required_only)
         try:
             checkpoint.restore(path).assert_existing_objects_matched().expect_partial()
         except _READ_ERRORS as err:
-            if isinstance(err, CheckpointMismatch):
+            if isinstance(err, HeadStateMismatch):
                 raise
             raise CheckpointDamaged(f"{path} does not restore ({_reason(err)})") from None
+        finally:
+            self.fc_state.legacy = False  # saves always use the current names
 
     def restore_latest(self, warn: Callable[[str], None] = _warn) -> Optional[str]:
         """Restores the newest checkpoint that reads back and restores completely, and returns

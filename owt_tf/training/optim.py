@@ -10,7 +10,8 @@ context with MirroredStrategy (its maybe_merge_call needs a replica context). Be
 K replica gradients are summed, each replica adds weight_decay/K * w.
 
 FC shards are never all-reduced: each replica updates its own shard in place with the same
-rule (`ShardSGD`). Passing shard gradients through Keras' all-reduce raises no error and
+rule (`ShardSGD`, an owt_tf.parallel.head_state.ShardOptimizer, so the head's state is
+saved as the Keras path saves it). Passing shard gradients through Keras' all-reduce raises no error and
 gives silently wrong weights (docs/design.md), so the two kinds never share an optimizer.
 """
 from __future__ import annotations
@@ -55,6 +56,8 @@ class MirroredSGD:
 class MirroredFcSGD(MirroredSGD):
     """The FC layers under pure data parallelism: one mirrored copy ("shard" 0)."""
 
+    kind, num_slots, iterations = "SGD", 1, None  # a ShardOptimizer; the run's step counts
+
     def apply(self, shard: int, grads: Sequence[tf.Tensor]) -> None:  # type: ignore[override]
         super().apply(grads)
 
@@ -69,6 +72,8 @@ class ShardSGD(tf.Module):
     Holds this process's shards only (all of them in one process; its own devices' in a
     cluster), keyed by shard index.
     """
+
+    kind, num_slots, iterations = "SGD", 1, None  # a ShardOptimizer; the run's step counts
 
     def __init__(self, shard_vars: Dict[int, Sequence[tf.Variable]],
                  learning_rate: float, momentum: float, weight_decay: float):
