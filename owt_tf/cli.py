@@ -98,7 +98,7 @@ def _flag_type(parse: Callable[[str], object]) -> Callable[[str], object]:
         try:
             return parse(text)
         except ConfigError as err:
-            raise argparse.ArgumentTypeError(str(err).split(": ", 1)[1]) from None
+            raise argparse.ArgumentTypeError(err.message) from None
 
     convert.__name__ = parse.__name__
     return convert

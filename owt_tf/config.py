@@ -38,6 +38,7 @@ class ConfigError(ValueError):
     def __init__(self, flag: str, message: str):
         super().__init__(f"{flag}: {message}")
         self.flag = flag
+        self.message = message
 
 
 # -- values given as text on the command line, parsed once -------------------------------
@@ -538,8 +539,7 @@ def _as_flag_error():
     try:
         yield
     except PlanError as err:
-        raise ConfigError(_PLAN_FLAGS.get(err.field, "--" + err.field),
-                          str(err).split(": ", 1)[1]) from None
+        raise ConfigError(_PLAN_FLAGS.get(err.field, "--" + err.field), err.message) from None
 
 
 def _choice(flag: str, value: str, allowed: tuple) -> None:

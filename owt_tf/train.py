@@ -73,7 +73,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except DatasetError as err:  # a global batch with no readable image, before its step
         print(f"python -m owt_tf.train: error: {err}", file=sys.stderr)
         code = 2
-    if trainer.hybrid.num_workers > 1:
+    if trainer.hybrid.placement.num_workers > 1:
         exit_worker(code)
     return code
 

@@ -68,18 +68,18 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
     spec = he_scaled(spec, seed=7) if he else spec
     hybrid = HybridStrategy(devices[:k], scheme, batch, fc_batch, fc_exchange, loss, jit=jit,
                             precision=precision)
-    model = hybrid.build_model(spec, seed=7)
+    model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed=7)
     optim = build_optimizer(hybrid, model, CONV_LR, FC_LR, MOMENTUM, WD)
     ref = ReferenceModel(spec, seed=7)
-    rounds = [hybrid.plan.round_rows(r) for r in range(hybrid.plan.num_rounds)]
+    rounds = [hybrid.engine.rounds.round_rows(r) for r in range(hybrid.engine.rounds.num_rounds)]
 
     @tf.function
     def step(x, y):
-        return hybrid.train_step(model, optim, x, y, None, with_grads=True)
+        return hybrid.engine.train_step(model, optim, x, y, None, with_grads=True)
 
     worst = {"loss": 0.0, "trunk_grads": 0.0, "fc_grads": 0.0, "weights": 0.0}
     for x, y in random_batches(steps, k * batch, classes):
-        out = step(hybrid.distribute_global_batch(x), hybrid.distribute_global_batch(y))
+        out = step(hybrid.placement.distribute_global_batch(x), hybrid.placement.distribute_global_batch(y))
         expect = ref.step(x, y, rounds, fc_batch, CONV_LR, FC_LR, MOMENTUM, WD)
         loss = float(out["loss_sum"]) / int(out["count"])
         worst["loss"] = max(worst["loss"], abs(loss - expect["loss"]) / abs(expect["loss"]))
@@ -87,7 +87,7 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
                  for i in range(len(expect["trunk_grads"]))]
         for got, want in zip(trunk, expect["trunk_grads"]):
             worst["trunk_grads"] = max(worst["trunk_grads"], rel_err(got, want))
-        fc = hybrid.assemble_fc_grads(model, out)
+        fc = hybrid.engine.assemble_fc_grads(model, out)
         assert len(fc) == len(expect["fc_grads"]), "number of FC updates per step differs"
         for got_update, want_update in zip(fc, expect["fc_grads"]):
             for got, want in zip(got_update, want_update):
@@ -98,5 +98,5 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
         worst["weights"] = max(worst["weights"], rel_err(got, want))
     for (gk, gb), (wk, wb) in zip(got_w["head"], want_w["head"]):
         worst["weights"] = max(worst["weights"], rel_err(gk, wk), rel_err(gb, wb))
-    return {"worst": worst, "ledger": hybrid.ledger, "trunk_params": model.trunk.count_params(),
+    return {"worst": worst, "ledger": hybrid.engine.ledger, "trunk_params": model.trunk.count_params(),
             "features": spec.trunk_output_dim(model.trunk), "spec": spec, "rounds": rounds}

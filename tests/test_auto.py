@@ -83,8 +83,8 @@ def test_auto_resolves_to_a_valid_plan_on_logical_cpus(devices):
     choice = hybrid.choose_scheme(network_cost("alexnet_tiny", 10))
     assert choice.scheme in SCHEMES and choice.scheme != "single" and hybrid.scheme == choice.scheme
     assert choice.hardware.startswith("this CPU (measured now")
-    assert (hybrid.fc_exchange, hybrid.loss) == (choice.fc_exchange, choice.loss)
-    assert hybrid.plan.num_replicas == 2 and hybrid.plan.batch_size == 8
+    assert (hybrid.parallel_plan.fc_exchange, hybrid.parallel_plan.loss) == (choice.fc_exchange, choice.loss)
+    assert hybrid.engine.rounds.num_replicas == 2 and hybrid.engine.rounds.batch_size == 8
     hw_ranked = choice.choice
     assert hw_ranked.devices == 2 and hw_ranked.batch_size == 8
     with pytest.raises(PlanError, match="once"):

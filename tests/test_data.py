@@ -73,6 +73,6 @@ def test_distribute_global_batch_gives_replica_k_its_rows(devices):
 
     hybrid = HybridStrategy(devices[:4], "owt-a", 3)
     parts = hybrid.strategy.experimental_local_results(
-        hybrid.distribute_global_batch(np.arange(12)))
+        hybrid.placement.distribute_global_batch(np.arange(12)))
     for k, part in enumerate(parts):
         np.testing.assert_array_equal(part.numpy(), np.arange(3 * k, 3 * k + 3))

@@ -208,7 +208,7 @@ def test_export_of_a_folder_run_normalises_with_the_runs_statistics(tmp_path):
     x = np.stack(list(images.values()))[:8]
     served = tf.saved_model.load(out).signatures["serving_default"](images=tf.constant(x))
     normalised = (x.astype(np.float32) - np.float32(stats["mean"])) / np.float32(stats["std"])
-    logits = trainer._predict_fn(trainer.hybrid.distribute_global_batch(tf.constant(normalised)))
+    logits = trainer._predict_fn(trainer.hybrid.placement.distribute_global_batch(tf.constant(normalised)))
     np.testing.assert_allclose(served["probabilities"].numpy(),
                                tf.nn.softmax(logits.numpy()[:, :3]).numpy(), atol=1e-5)
     with open(os.path.join(out, "owt_tf_export.json")) as f:

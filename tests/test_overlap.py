@@ -18,10 +18,10 @@ def _graph_ops(hybrid, model, optim, batch):
 
     @tf.function
     def step(x, y):
-        return hybrid.train_step(model, optim, x, y, None)
+        return hybrid.engine.train_step(model, optim, x, y, None)
 
-    concrete = step.get_concrete_function(hybrid.distribute_global_batch(x),
-                                          hybrid.distribute_global_batch(y))
+    concrete = step.get_concrete_function(hybrid.placement.distribute_global_batch(x),
+                                          hybrid.placement.distribute_global_batch(y))
     return {op.name: op for op in concrete.graph.get_operations()}
 
 
@@ -39,7 +39,7 @@ def _ancestors(op):
 @pytest.mark.parametrize("scheme,fc_batch", [("owt-b", "global"), ("owt-c", "worker")])
 def test_exchanges_do_not_wait_on_fc_compute(devices, scheme, fc_batch):
     hybrid = HybridStrategy(devices[:4], scheme, 8, fc_batch)
-    model = hybrid.build_model(alexnet_tiny(num_classes=10, dropout=0.0), seed=0)
+    model = hybrid.placement.build_model(hybrid.parallel_plan, alexnet_tiny(num_classes=10, dropout=0.0), seed=0)
     optim = build_optimizer(hybrid, model, 0.01, 0.01, 0.9, 5e-4)
     ops = _graph_ops(hybrid, model, optim, 8)
     exchanges = [op for name, op in ops.items()

@@ -100,17 +100,17 @@ def test_fp16_with_a_loss_scale_is_as_close_as_keras_own_fp16(devices):
     keras_fp16 = _keras_low_precision_error("float16")
     spec = build_model("alexnet_tiny", num_classes=10, dropout=0.0)
     hybrid = HybridStrategy(devices[:K], "owt-c", BATCH, precision="fp16")
-    model = hybrid.build_model(spec, seed=7)
+    model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed=7)
     optim = build_optimizer(hybrid, model, CONV_LR, FC_LR, MOMENTUM, WD)
     ref = ReferenceModel(spec, seed=7)
     scale = tf.constant(2.0 ** 10)
 
     @tf.function
     def step(x, y):
-        return hybrid.train_step(model, optim, x, y, None, loss_scale=scale)
+        return hybrid.engine.train_step(model, optim, x, y, None, loss_scale=scale)
 
     for x, y in random_batches(STEPS, K * BATCH, 10):
-        out = step(hybrid.distribute_global_batch(x), hybrid.distribute_global_batch(y))
+        out = step(hybrid.placement.distribute_global_batch(x), hybrid.placement.distribute_global_batch(y))
         assert bool(np.all(out["finite"].numpy()))
         ref.step(x, y, [np.arange(K * BATCH)], "global", CONV_LR, FC_LR, MOMENTUM, WD)
     worst = 0.0
@@ -123,7 +123,7 @@ def test_fp16_with_a_loss_scale_is_as_close_as_keras_own_fp16(devices):
     shape = traffic.NetworkShape(model.trunk.count_params(), spec.trunk_output_dim(model.trunk),
                                  spec.head.hidden, spec.head.num_classes)
     expected = traffic.step_traffic(shape, "owt-c", K, BATCH, precision="fp16")
-    assert {p: b for p, b in hybrid.ledger.by_purpose.items() if b} == {
+    assert {p: b for p, b in hybrid.engine.ledger.by_purpose.items() if b} == {
         p: b for p, b in expected.items() if b}
 
 
@@ -257,7 +257,7 @@ def test_a_bf16_run_exports_a_float32_serving_graph(devices, tmp_path):
     served = tf.saved_model.load(str(export)).signatures["serving_default"](
         images=tf.constant(images))["probabilities"].numpy()
     assert np.allclose(served.sum(axis=1), 1.0, atol=1e-5)
-    low = trainer._predict_fn(trainer.hybrid.distribute_global_batch(_eval_input(trainer, images)))
+    low = trainer._predict_fn(trainer.hybrid.placement.distribute_global_batch(_eval_input(trainer, images)))
     assert np.max(np.abs(served - tf.nn.softmax(low).numpy())) < 0.05
 
 

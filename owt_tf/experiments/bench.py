@@ -124,15 +124,15 @@ class _Config:
         self.hybrid = HybridStrategy(devices[:run_k], scheme, self.batch, fc_batch,
                                      args.fc_exchange if Scheme(scheme).model_parallel else "gather",
                                      args.loss, jit=jit, precision=precision)
-        self.model = self.hybrid.build_model(spec, seed=0)
+        self.model = self.hybrid.placement.build_model(self.hybrid.parallel_plan, spec, seed=0)
         self.optim = build_optimizer(self.hybrid, self.model, 0.001, 0.001, 0.9, 5e-4)
         rng = np.random.default_rng(0)
         shape = (self.global_batch,) + tuple(spec.input_shape)
         images = (np.zeros(shape, np.float32) if args.count_only
                   else rng.normal(size=shape).astype(np.float32))
         labels = rng.integers(0, args.classes, size=(self.global_batch,)).astype(np.int32)
-        self.inputs = [self.hybrid.distribute_global_batch(images),
-                       self.hybrid.distribute_global_batch(labels)]
+        self.inputs = [self.hybrid.placement.distribute_global_batch(images),
+                       self.hybrid.placement.distribute_global_batch(labels)]
         seed = tf.constant([0, 1], tf.int32)
         # fp16 steps are taken at a loss scale, as in training (its overflow checks are the
         # training loop's, between steps, and not timed here)
@@ -140,7 +140,7 @@ class _Config:
 
         @tf.function
         def step(x, y):
-            return self.hybrid.train_step(self.model, self.optim, x, y, seed, loss_scale=scale)
+            return self.hybrid.engine.train_step(self.model, self.optim, x, y, seed, loss_scale=scale)
 
         self.step = step
 
@@ -205,7 +205,7 @@ def run_bench(args) -> List[BenchRecord]:
                         cfg.run_once()
                 if on_gpu:
                     memory[id(cfg)] = sum(tf.config.experimental.get_memory_info(d)["peak"]
-                                          for d in cfg.hybrid.devices)
+                                          for d in cfg.hybrid.placement.devices)
                 else:
                     peak = _proc_status_bytes("VmHWM")
                     memory[id(cfg)] = (peak - before) if peak and before else None
@@ -220,11 +220,11 @@ def run_bench(args) -> List[BenchRecord]:
     records = []
     for cfg in configs:
         t = statistics.median(times[id(cfg)]) if times[id(cfg)] else None
-        ledger = cfg.hybrid.ledger
+        ledger = cfg.hybrid.engine.ledger
         records.append(BenchRecord(
             model=args.model, scheme=cfg.scheme, devices=1 if Scheme(cfg.scheme) is Scheme.SINGLE else cfg.k,
             batch_size=cfg.batch, global_batch=cfg.global_batch, fc_batch=cfg.fc_batch,
-            fc_exchange=cfg.hybrid.fc_exchange, loss=cfg.hybrid.loss, jit=cfg.jit,
+            fc_exchange=cfg.hybrid.parallel_plan.fc_exchange, loss=cfg.hybrid.parallel_plan.loss, jit=cfg.jit,
             precision=cfg.precision,
             images_per_sec=(cfg.global_batch / t) if t else None, step_time_s=t,
             bytes_per_step=float(ledger.total), bytes_by_purpose=ledger.summary(),

@@ -16,10 +16,10 @@ the exchange and loss train defaults to, and the line says why.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from owt_tf.models.cost import NetworkCost
-from owt_tf.parallel.plan import Scheme
+from owt_tf.parallel.plan import ParallelPlan, Scheme
 from owt_tf.parallel.cost_model import (OWT_SCHEMES, Hardware, Prediction, preset, rank,
                                         runner_up)
 # Which preset prices a GPU, by a part of its name (tf.config.experimental.get_device_details).
@@ -85,6 +85,26 @@ def choose(net: Optional[NetworkCost], hw: Hardware, k: int, batch_size: int,
     else:
         scheme = FALLBACK_SCHEME
     return AutoChoice(scheme, "gather", "gathered", hw.name, note=note)
+
+
+def resolve_auto(requested: ParallelPlan, net: Optional[NetworkCost], devices: Sequence[str],
+                 num_replicas: int, batch_size: Optional[int], hidden: Sequence[int] = (),
+                 schemes: Sequence[str] = OWT_SCHEMES,
+                 note: str = "") -> Tuple[ParallelPlan, AutoChoice]:
+    """`--scheme auto` made concrete: the planner's choice (`choose`) for a model of cost
+    `net` on the hardware of `devices` (this process's) at K = `num_replicas` and
+    `batch_size` rows per replica (DEFAULT_BATCH when not known up front), as a ParallelPlan
+    that keeps `requested`'s FC batch mode (where the chosen scheme has rounds), XLA and
+    precision. Called by the Trainer and by parallelize, before any step is built."""
+    hw = run_hardware(devices)
+    choice = choose(net, hw, num_replicas, batch_size or DEFAULT_BATCH, requested.fc_batch,
+                    schemes, hidden, note, requested.precision)
+    fc_batch = requested.fc_batch if Scheme(choice.scheme).has_rounds else "global"
+    plan = ParallelPlan(choice.scheme, fc_batch, choice.fc_exchange, choice.loss, requested.jit,
+                        requested.precision)
+    if batch_size is not None:
+        plan.check_batch(num_replicas, batch_size)
+    return plan, choice
 
 
 def run_hardware(devices: Sequence[str]) -> Hardware:

@@ -77,7 +77,7 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
         hybrid.parallel_plan.check_widths(split.head.hidden, hybrid.num_replicas,
                                           split.dense_names[:-1])
     except PlanError as err:
-        raise UnsupportedModel(str(err).split(": ", 1)[1]) from None
+        raise UnsupportedModel(err.message) from None
     if seed is None:
         seed = int(np.random.default_rng().integers(2**31 - 1))
     with hybrid.scope():
@@ -127,7 +127,7 @@ class ParallelModel(keras.Model):
         trunk = keras.models.clone_model(split.trunk)  # in the scope: mirrored variables
         trunk.set_weights(split.trunk.get_weights())
         self.trunk = trunk
-        self.head = hybrid.place_head(split.head, split.head_weights, split.compute_dtype)
+        self.head = hybrid.placement.place_head(hybrid.parallel_plan, split.head, split.head_weights, split.compute_dtype)
         self._fc_optimizer: Optional[KerasShardOptimizer] = None
         self._pending_fc_slots: Optional[Dict[str, np.ndarray]] = None
         self.built = True
@@ -143,7 +143,7 @@ class ParallelModel(keras.Model):
         `optimizer`). Its learning rate relative to `optimizer`'s is kept through schedules
         and LearningRateScheduler: the paper's recipe is `optimizer=SGD(lr * K)`,
         `fc_optimizer=SGD(lr)` with fc_batch='worker'."""
-        refuse_settings(self._hybrid.loss, steps_per_execution, run_eagerly, jit_compile, loss,
+        refuse_settings(self._hybrid.parallel_plan.loss, steps_per_execution, run_eagerly, jit_compile, loss,
                         kwargs)
         with self._hybrid.scope():
             optimizer = keras.optimizers.get(optimizer)
@@ -164,7 +164,7 @@ class ParallelModel(keras.Model):
             with self._hybrid.scope():
                 trunk_optimizer.build(self.trunk.trainable_variables)
         self.head.per_example_loss = per_example_loss(loss)
-        self._fc_optimizer = KerasShardOptimizer(fc_template, self.head, self._hybrid.devices,
+        self._fc_optimizer = KerasShardOptimizer(fc_template, self.head, self._hybrid.placement.devices,
                                               trunk_optimizer, rate_ratio(optimizer, fc_optimizer),
                                               own_schedule=fc_optimizer is not None)
         if self._pending_fc_slots is not None:
@@ -204,7 +204,7 @@ class ParallelModel(keras.Model):
                         sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
             self.optimizer.apply_gradients(zip(grads, trunk_vars))
 
-        step = replica_train_step(plan, self.head, self._hybrid.trunk_forward(self.trunk, True),
+        step = replica_train_step(plan, self.head, self._hybrid.engine.trunk_forward(self.trunk, True),
                                   trunk_vars, x, y, step_seed, apply_trunk,
                                   self._fc_optimizer.apply)
         rounds = step.rounds
@@ -218,7 +218,7 @@ class ParallelModel(keras.Model):
 
     def test_step(self, data):
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
-        logits = replica_logits(True, self.head, self._hybrid.trunk_forward(self.trunk, False), x)
+        logits = replica_logits(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
         labels = coll.gather_labels(y)
         weight = tf.ones([tf.shape(logits)[0]]) if weight is None else coll.gather_labels(weight)
         outputs = self.head.outputs(logits)
@@ -238,7 +238,7 @@ class ParallelModel(keras.Model):
     def predict_step(self, data):
         x, valid = (data[0], data[1]) if isinstance(data, (tuple, list)) and len(data) > 1 else (
             data[0] if isinstance(data, (tuple, list)) else data, None)
-        logits = replica_logits(True, self.head, self._hybrid.trunk_forward(self.trunk, False), x)
+        logits = replica_logits(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
         rows = self._static_rows(x)
         k = coll.replica_id()
         outputs = self.head.outputs(logits[k * rows:(k + 1) * rows])
@@ -365,7 +365,7 @@ class ParallelModel(keras.Model):
     # -- weights, saving, export -------------------------------------------------------------
     def fc_weights(self) -> List:
         """Every Dense layer of the head whole: [(kernel, bias), ...] as numpy arrays."""
-        return self.head.full_weights(self._hybrid.read_shards)
+        return self.head.full_weights(self._hybrid.placement.read_shards)
 
     def get_weights(self) -> List[np.ndarray]:
         """The trunk's weights, then each Dense layer's kernel and bias, whole (the order of
@@ -416,7 +416,7 @@ class ParallelModel(keras.Model):
         self._restore_head(state)
 
     def _head_state(self) -> Dict[str, np.ndarray]:
-        return head_state.head_arrays(self.head, self._fc_optimizer, self._hybrid.read_shards)
+        return head_state.head_arrays(self.head, self._fc_optimizer, self._hybrid.placement.read_shards)
 
     def _restore_head(self, state: Dict[str, np.ndarray]) -> None:
         head_state.restore_weights(self.head, state, self._dense_names)

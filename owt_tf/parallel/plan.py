@@ -122,6 +122,7 @@ class PlanError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 def _choice(field: str, value, choices: Sequence[str]) -> None:

@@ -135,7 +135,7 @@ class Trainer:
                                          p.fc_exchange, p.loss, jit=p.jit,
                                          cluster=config.cluster.resolved, precision=p.precision)
         except PlanError as err:
-            raise ConfigError("--" + err.field.replace("_", "-"), str(err).split(": ", 1)[1]) from None
+            raise ConfigError("--" + err.field.replace("_", "-"), err.message) from None
         probe = _model_spec(config, None)
         data = config.data
         self.dataset = load_dataset(data.dataset, probe.input_shape, seed=config.run.seed,
@@ -153,7 +153,7 @@ class Trainer:
         except PlanError as err:
             raise ConfigError("--devices", f"model {config.model.model}: "
                               f"{str(err).split(': ', 1)[1]}") from None
-        self.model = self.hybrid.build_model(self.spec, config.run.seed)
+        self.model = self.hybrid.placement.build_model(self.hybrid.parallel_plan, self.spec, config.run.seed)
         self.optimizer = build_optimizer(self.hybrid, self.model, config.conv_lr, config.fc_lr,
                                          config.optimizer.momentum, config.optimizer.weight_decay)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -173,7 +173,7 @@ class Trainer:
         self.checkpoints = RunCheckpoints(
             self.logdir, self.model, self.optimizer, self.step, identity,
             counters=counters, optional_counters=scale_state,
-            read_shards=self.model.read_shards, is_chief=self.hybrid.is_chief,
+            read_shards=self.model.read_shards, is_chief=self.hybrid.placement.is_chief,
             read_only=self.read_only)
         self.checkpoints.check_identity(self.logdir)
         self.resumed_from = self.checkpoints.restore_latest()
@@ -192,8 +192,8 @@ class Trainer:
         self._stop: Optional[SignalStop] = None  # set while fit() runs
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
-        self._predict_fn = tf.function(lambda images: self.hybrid.predict_step(self.model, images))
-        self._finite_names = self.hybrid.finite_check_names(self.model)
+        self._predict_fn = tf.function(lambda images: self.hybrid.engine.predict_step(self.model, images))
+        self._finite_names = self.hybrid.engine.finite_check_names(self.model)
         # fp16 undoes every step whose scaled gradients overflowed, as does --skip-nonfinite.
         self._snapshot = (StepSnapshot(self._state_variables(), strategy)
                           if config.run.skip_nonfinite or self.loss_scale is not None else None)
@@ -215,9 +215,10 @@ class Trainer:
         """Per-replica batches of this process's rows: a streamed dataset reads and decodes
         only those rows (`stream_rows(own_rows)`); one in memory is sliced from its global
         batches (`whole_batches()`)."""
+        placement, rows = self.hybrid.placement, self.config.parallel.batch_size
         if isinstance(self.dataset, StreamDataset):
-            return self.hybrid.distribute_own_rows(stream_rows(self.hybrid.own_rows))
-        return self.hybrid.distribute_batches(whole_batches())
+            return placement.distribute_own_rows(stream_rows(placement.own_rows(rows)), rows)
+        return placement.distribute_batches(whole_batches(), rows)
 
     def _choose_scheme(self, config: RunConfig) -> RunConfig:
         """--scheme auto: the planner's choice for this model, K, batch and hardware (one
@@ -246,14 +247,14 @@ class Trainer:
     # -- compiled bodies ------------------------------------------------------------------
     def _train_step(self, images, labels, with_grads=False):
         seed = tf.stack([tf.constant(self.config.run.seed, tf.int64), self.step])
-        out = self.hybrid.train_step(self.model, self.optimizer, images, labels,
+        out = self.hybrid.engine.train_step(self.model, self.optimizer, images, labels,
                                      tf.cast(seed, tf.int32), with_grads=with_grads,
                                      loss_scale=None if self.loss_scale is None else self.loss_scale.scale)
         self.step.assign_add(1)
         return out
 
     def _eval_step(self, images, labels):
-        return self.hybrid.eval_step(self.model, images, labels)
+        return self.hybrid.engine.eval_step(self.model, images, labels)
 
     # -- public ---------------------------------------------------------------------------
     def train_step(self, with_grads: bool = False) -> StepMetrics:
@@ -281,10 +282,10 @@ class Trainer:
         count = int(out["count"])
         loss = float(out["loss_sum"]) / count
         seconds = time.perf_counter() - start
-        grads = self.hybrid.assemble_grads(self.model, out) if with_grads else None
+        grads = self.hybrid.engine.assemble_grads(self.model, out) if with_grads else None
         return StepMetrics(loss, 1.0 - int(out["correct"]) / count,
                            self.config.global_batch_size / seconds,
-                           float(self.hybrid.ledger.total), grads, nonfinite, overflowed, stop)
+                           float(self.hybrid.engine.ledger.total), grads, nonfinite, overflowed, stop)
 
     def _count_decodes(self, failed) -> int:
         """Adds this process's rows' decodes to `decoded_images`; returns how many of its rows'
@@ -322,13 +323,13 @@ class Trainer:
         all-reduce (they must take the same branch: undo, stop, save; and count the same);
         this process's own values otherwise."""
         stop = self._stop is not None and self._stop.signum is not None
-        if self.hybrid.num_workers == 1:
+        if self.hybrid.placement.num_workers == 1:
             return finite, end, stop, unreadable
         # Positions go in this worker's own slot, so the sum carries every worker's.
-        mine = np.zeros(self.hybrid.num_workers, np.int64)
-        mine[self.hybrid.worker_id] = end
+        mine = np.zeros(self.hybrid.placement.num_workers, np.int64)
+        mine[self.hybrid.placement.worker_id] = end
         local = np.concatenate([1 - np.asarray(finite, np.int64), [int(stop), unreadable], mine])
-        agreed = self.hybrid.sum_over_workers(local)
+        agreed = self.hybrid.placement.sum_over_workers(local)
         n = len(finite)
         return agreed[:n] == 0, int(np.max(agreed[n + 2:])), bool(agreed[n]), int(agreed[n + 1])
 
@@ -361,7 +362,7 @@ class Trainer:
         for start in range(0, len(padded), batch):
             x = eval_preprocess(tf.constant(padded[start:start + batch]), size,
                                 self.dataset.mean, self.dataset.std)
-            out.append(self._predict_fn(self.hybrid.distribute_global_batch(x)).numpy())
+            out.append(self._predict_fn(self.hybrid.placement.distribute_global_batch(x)).numpy())
         return np.concatenate(out)[:n]
 
     def fit(self, steps: Optional[int] = None, log: Callable[[str], None] = print,
@@ -377,7 +378,7 @@ class Trainer:
         config = self.config
         steps = steps or config.total_steps(self.dataset.num_train)
         first = int(self.step) + 1
-        chief = self.hybrid.is_chief  # in a cluster only the chief writes files
+        chief = self.hybrid.placement.is_chief  # in a cluster only the chief writes files
         if chief and self.rundir is None and not self.read_only:  # a second fit() of this Trainer
             self.rundir = RunDirLock.take(self.logdir)
         if chief:
@@ -408,9 +409,9 @@ class Trainer:
                 summaries.validation(steps, ev.loss, ev.top1_error, ev.top5_error)
                 val_history.append([steps / steps_per_epoch, ev.top1_error])
                 self._export(log)
-                self.hybrid.wait_for_workers("fit_end")
+                self.hybrid.placement.wait_for_workers("fit_end")
             except tf.errors.OpError as err:
-                if self.hybrid.num_workers == 1 or not is_peer_failure(err):
+                if self.hybrid.placement.num_workers == 1 or not is_peer_failure(err):
                     raise
                 raise WorkerLost(int(self.step), err, self.checkpoints.latest) from None
             finally:
@@ -427,10 +428,10 @@ class Trainer:
         if skipped or int(self.skipped_steps):
             log(f"skipped {skipped} unreadable training images and {int(self.skipped_steps)} "
                 "non-finite steps")
-        workers = (f" ({self.hybrid.num_workers} workers x {len(self.devices)})"
-                   if self.hybrid.num_workers > 1 else "")
+        workers = (f" ({self.hybrid.placement.num_workers} workers x {len(self.devices)})"
+                   if self.hybrid.placement.num_workers > 1 else "")
         if workers and self.batch_images:
-            first_row, rows = self.hybrid.own_rows
+            first_row, rows = self.hybrid.placement.own_rows(config.parallel.batch_size)
             log(f"input: this worker decoded {self.decoded_images} of the {self.batch_images} "
                 f"training images of its steps (rows {first_row}-{first_row + rows - 1} of each "
                 f"global batch of {config.global_batch_size})")
@@ -456,7 +457,7 @@ class Trainer:
         FC shards)."""
         if not self.config.run.export_dir:
             return
-        if not self.hybrid.is_chief:
+        if not self.hybrid.placement.is_chief:
             self.model.full_weights()
             return
         path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
@@ -502,7 +503,7 @@ class Trainer:
             self._lr_factor = factor
         summaries.before_step(i)
         # Whole-model gradients exist only in one process (each worker holds its own shards').
-        m = self.train_step(with_grads=histograms and self.hybrid.num_workers == 1)
+        m = self.train_step(with_grads=histograms and self.hybrid.placement.num_workers == 1)
         summaries.after_step(i)
         if (config.run.log_every and i % config.run.log_every == 0) or i == steps:
             summaries.train(i, m.loss, m.top1_error, m.images_per_sec, m.bytes_per_step,

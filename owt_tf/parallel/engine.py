@@ -1,0 +1,189 @@
+"""What one replica does in a step of the CLI's loop -- train, evaluate, predict -- and the
+ledger of the bytes a traced step moves. The replica's work itself (trunk forward, the FC
+rounds, trunk backward, updates) is owt_tf.parallel.step, shared with Keras' `fit`; this
+runs it on every replica (`placement.run`) and merges what the replicas return.
+
+    engine = hybrid.engine
+    metrics = engine.train_step(model, optim, dist_images, dist_labels, dropout_seed)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.placement import DistributedModel, Placement
+from owt_tf.parallel.plan import ParallelPlan, StepRounds
+from owt_tf.parallel.shards import assemble
+from owt_tf.parallel.step import replica_logits, replica_train_step
+
+
+class Engine:
+    """The CLI's steps for a concrete `plan` on `placement`; `rounds`: a step's rounds at
+    the run's fixed batch size (None: not known up front, as under Keras' `fit`, which
+    plans each batch shape with step.replica_train_step itself)."""
+
+    def __init__(self, placement: Placement, plan: ParallelPlan, rounds: Optional[StepRounds]):
+        self.placement = placement
+        self.plan = plan
+        self.rounds = rounds
+        self.model_parallel = plan.model_parallel
+        self.jit = plan.jit
+        self._compiled_trunks: Dict[tuple, tf.types.experimental.GenericFunction] = {}
+        self.ledger = coll.TrafficLedger()
+
+    def train_step(self, model: DistributedModel, optim, images, labels,
+                   seed: Optional[tf.Tensor] = None, with_grads: bool = False,
+                   loss_scale: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+        """One optimizer step on a distributed batch. Returns loss, error and (optionally) grads.
+
+        `seed` (int32 [2]) seeds dropout; it must differ per step. `loss_scale` (fp16): the
+        factor gradients are taken at (owt_tf.parallel.precision.DynamicLossScale). Traffic
+        is counted into `self.ledger` while the step is traced.
+        """
+        self.ledger = coll.TrafficLedger()
+        with coll.recording(self.ledger):
+            step = functools.partial(self._replica_train_step, model, optim, seed=seed,
+                                     with_grads=with_grads, loss_scale=loss_scale)
+            out = self.placement.run(step, images, labels)
+        return self._merge_replica_outputs(out)
+
+    def eval_step(self, model: DistributedModel, images, labels) -> Dict[str, tf.Tensor]:
+        """Loss and top-1/top-5 counts on a distributed batch; rows with label < 0 are padding."""
+        out = self.placement.run(functools.partial(self._replica_eval_step, model), images, labels)
+        return self._merge_replica_outputs(out)
+
+    def assemble_fc_grads(self, model: DistributedModel, out) -> List[List[np.ndarray]]:
+        """Per FC update of a train_step(with_grads=True): whole-layer gradients
+        [kernel0, bias0, kernel1, ...], shards joined (mirrored layers under 'data': the
+        replicas' parts summed)."""
+        self.placement.check_one_process("gradients of every shard")
+        per_replica = out["fc_grads"]
+        updates = []
+        for u in range(len(per_replica[0])):
+            grads = []
+            for li, layer in enumerate(model.head.layers):
+                kern = [np.asarray(r[u][2 * li]) for r in per_replica]
+                bias = [np.asarray(r[u][2 * li + 1]) for r in per_replica]
+                grads += (list(assemble(layer, kern, bias)) if self.model_parallel
+                          else [sum(kern), sum(bias)])
+            updates.append(grads)
+        return updates
+
+    def assemble_grads(self, model: DistributedModel, out) -> Dict[str, np.ndarray]:
+        """Whole-model gradients by variable name: trunk parts summed over replicas, and the
+        step's last FC update."""
+        grads = {f"trunk/{var.path}": sum(np.asarray(g[i]) for g in out["trunk_grads"])
+                 for i, var in enumerate(model.trunk.trainable_variables)}
+        last = self.assemble_fc_grads(model, out)[-1]
+        for li in range(len(model.head.layers)):
+            grads[f"fc{li}/kernel"], grads[f"fc{li}/bias"] = last[2 * li], last[2 * li + 1]
+        return grads
+
+    def finite_check_names(self, model: DistributedModel) -> List[str]:
+        """What each entry of train_step's "finite" flags is about: the loss, then every
+        trunk gradient in layer order, then every FC update's gradients in layer order."""
+        names = ["loss"] + [f"gradient of {v.path}" for v in model.trunk.trainable_variables]
+        updates = self.rounds.num_rounds if self.rounds.updates_fc_every_round else 1
+        for u in range(updates):
+            suffix = f" (round {u + 1} of {updates})" if updates > 1 else ""
+            for li in range(len(model.head.layers)):
+                names += [f"gradient of fc{li + 1}/kernel{suffix}", f"gradient of fc{li + 1}/bias{suffix}"]
+        return names
+
+    def predict_step(self, model: DistributedModel, images) -> tf.Tensor:
+        """Logits [global batch, classes] of a distributed batch, rows in global order."""
+        if not self.model_parallel:
+            self.placement.check_one_process("predict_step under data parallelism")
+        out = self.placement.run(functools.partial(self._replica_logits, model), images)
+        local = self.placement.strategy.experimental_local_results(out)
+        return local[0] if self.model_parallel else tf.concat(list(local), axis=0)
+
+    def trunk_forward(self, trunk: keras.Model, training: bool):
+        """The trunk's forward pass as a step.TrunkForward; with jit, an XLA-compiled function
+        per replica.
+
+        Only this pure compute block is compiled: jit_compile on the whole step or replica
+        function fails ("Trying to access resource ... located in device CPU:1 from device
+        CPU:0": MirroredStrategy wraps one XLA cluster around all replicas unless every device
+        is a GPU; CollectiveGatherV2 has no XLA kernel, keras-team/keras#18110). One function
+        per replica, so that each captures its own replica's variables.
+        """
+        def forward(images):
+            return trunk(images, training=training)
+
+        compiled = forward
+        if self.jit:
+            key = (id(trunk), training, coll.replica_id())
+            if key not in self._compiled_trunks:
+                self._compiled_trunks[key] = tf.function(forward, jit_compile=True)
+            compiled = self._compiled_trunks[key]
+
+        def with_regularization(images):
+            activations = compiled(images)
+            losses = trunk.losses if training else []
+            return activations, (tf.add_n(losses) if losses else None)
+
+        return with_regularization
+
+    def _replica_train_step(self, model, optim, images, labels, seed, with_grads, loss_scale):
+        plan = self.rounds
+        trunk_vars = model.trunk.trainable_variables
+
+        step = replica_train_step(plan, model.head, self.trunk_forward(model.trunk, True),
+                                  trunk_vars, images, labels, seed, optim.trunk.apply,
+                                  optim.fc.apply, loss_scale)
+        rounds, trunk_grads = step.rounds, step.trunk_grads
+        # The numerical guard's input: is each of these finite on this replica (names:
+        # finite_check_names). Checked here, where every gradient exists, for one pass each.
+        checks = [rounds.loss_sum] + list(trunk_grads) + [g for u in rounds.fc_grads for g in u]
+        out = {"loss_sum": rounds.loss_sum, "correct": rounds.correct,
+               "count": tf.constant(rounds.count),
+               "finite": tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in checks])}
+        if with_grads:
+            out["trunk_grads"] = trunk_grads
+            out["fc_grads"] = rounds.fc_grads
+        return out
+
+    def _replica_logits(self, model, images):
+        return replica_logits(self.model_parallel, model.head,
+                              self.trunk_forward(model.trunk, False), images)
+
+    def _replica_eval_step(self, model, images, labels):
+        logits = self._replica_logits(model, images)
+        if self.model_parallel:
+            labels = coll.gather_labels(labels)
+        head = model.head
+        valid = labels >= 0
+        safe = tf.maximum(labels, 0)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=logits)
+        top1 = tf.math.in_top_k(safe, logits, 1) & valid
+        top5 = tf.math.in_top_k(safe, logits, min(5, head.spec.num_classes)) & valid
+        return {"loss_sum": tf.reduce_sum(tf.where(valid, ce, 0.0)),
+                "correct": tf.reduce_sum(tf.cast(top1, tf.int32)),
+                "correct_top5": tf.reduce_sum(tf.cast(top5, tf.int32)),
+                "count": tf.reduce_sum(tf.cast(valid, tf.int32))}
+
+    def _merge_replica_outputs(self, out) -> Dict[str, tf.Tensor]:
+        """Model parallel: every replica reports the same rows, take replica 0's numbers.
+        Data parallel: each reports its own rows, sum them (over every worker's replicas).
+        Gradients stay per replica; finite flags are merged over this process's replicas
+        (the loop merges them over workers)."""
+        merged = {}
+        for key, value in out.items():
+            local = self.placement.strategy.experimental_local_results(value)
+            if key in ("trunk_grads", "fc_grads"):
+                merged[key] = local
+            elif key == "finite":
+                merged[key] = tf.reduce_all(tf.stack(list(local)), axis=0)
+            elif self.model_parallel:
+                merged[key] = local[0]
+            elif self.placement.cluster is not None:
+                merged[key] = self.placement.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+            else:
+                merged[key] = tf.add_n(list(local))
+        return merged
