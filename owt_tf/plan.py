@@ -38,8 +38,9 @@ from owt_tf.config import FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS, 
 from owt_tf.models.cost import NetworkCost, network_cost
 from owt_tf.models.registry import MODEL_NAMES
 from owt_tf.parallel.plan import Scheme
-from owt_tf.parallel.cost_model import (HARDWARE_NAMES, Prediction, paper_rows, plan, preset,
-                                        rank, runner_up, train_command)
+from owt_tf.parallel.cost_model import (HARDWARE_NAMES, Prediction, paper_rows, preset,
+                                        rank, runner_up, table,
+                                        train_command)
 from owt_tf.startup import start_tensorflow
 
 
@@ -157,7 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  if getattr(args, f) is not None}
     if overrides:
         hw = dataclasses.replace(hw, name=hw.name + "+overrides", **overrides)
-    rows = plan(net, hw, args.devices, args.batch_size, args.fc_batch, args.fc_exchange, args.loss,
+    rows = table(net, hw, args.devices, args.batch_size, args.fc_batch, args.fc_exchange, args.loss,
                 recommended=args.recommend, precision=args.precision)
     ranked = ({k: rank(net, hw, k, args.batch_size, precision=args.precision) for k in args.devices}
               if args.recommend else {})

@@ -79,7 +79,8 @@ def test_colrow_is_a_column_row_pair_with_one_all_reduce_each_way():
     joined by one all-reduce forward and one backward, and no gather between FC layers (so
     colrow degraded to gather fails here); gather: one gather and its reduce-scatter per
     hidden layer. The engine's own layout equals this statement."""
-    from owt_tf.parallel.shards import COL, ROW, split_plan
+    from owt_tf.parallel.shards import COL, ROW
+    from owt_tf.parallel.shards import layer_splits as engine_splits
 
     assert traffic.layer_splits(3, "colrow") == [traffic.BY_OUTPUTS, traffic.BY_INPUTS,
                                                  traffic.BY_OUTPUTS]
@@ -87,7 +88,7 @@ def test_colrow_is_a_column_row_pair_with_one_all_reduce_each_way():
     as_engine = {traffic.BY_OUTPUTS: COL, traffic.BY_INPUTS: ROW}
     for layers in (1, 2, 3, 4, 5):
         for exchange in ("gather", "colrow"):
-            assert split_plan(layers, exchange) == [
+            assert engine_splits(layers, exchange) == [
                 as_engine[s] for s in traffic.layer_splits(layers, exchange)], (layers, exchange)
     net = NetworkShape(1000, 64, (32, 32), 10)
     k, b = 4, 8

@@ -281,7 +281,7 @@ def predict_alternative(net: NetworkCost, hw: Hardware, scheme: str, k: int, bat
     raise ValueError(f"unknown alternative {scheme!r}")
 
 
-def plan(net: NetworkCost, hw: Hardware, devices: Sequence[int], batch_size: int,
+def table(net: NetworkCost, hw: Hardware, devices: Sequence[int], batch_size: int,
          fc_batch: str = "global", fc_exchange: str = "gather", loss: str = "gathered",
          alternatives: bool = True, recommended: bool = False,
          precision: str = "fp32") -> List[Prediction]:

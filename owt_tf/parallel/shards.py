@@ -27,7 +27,7 @@ from owt_tf.parallel import collectives as coll
 COL, ROW = "col", "row"
 
 
-def split_plan(num_layers: int, fc_exchange: str) -> List[str]:
+def layer_splits(num_layers: int, fc_exchange: str) -> List[str]:
     """How each FC layer is split. 'gather': all by output units, their outputs all-gathered.
 
     'colrow' pairs hidden layers (column split, then row split, one all-reduce per pair);
@@ -182,10 +182,10 @@ class ShardedHead(tf.Module):
         self.compute_dtype = tf.as_dtype(compute_dtype)
         # (labels, outputs) -> per-example loss; None: cross-entropy on the logits.
         self.per_example_loss: Optional[Callable[[tf.Tensor, tf.Tensor], tf.Tensor]] = None
-        plan = split_plan(len(spec.widths), fc_exchange)
+        splits = layer_splits(len(spec.widths), fc_exchange)
         self.layers = [
             ShardedDense(f"fc{i}", kern, bias, split, devices, local)
-            for i, ((kern, bias), split) in enumerate(zip(full_weights, plan))
+            for i, ((kern, bias), split) in enumerate(zip(full_weights, splits))
         ]
         self.local_shards: List[int] = self.layers[0].local_shards
 
