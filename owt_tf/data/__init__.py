@@ -1,3 +1,7 @@
 """Datasets and the input pipeline. The names are importable without TensorFlow."""
 
 DATASET_NAMES = ("digits", "imagenet2012", "synthetic")
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be loaded as asked."""
