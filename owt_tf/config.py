@@ -10,6 +10,9 @@ names are unique across sections, so a config is built or changed by flag name:
 `validate()` only reads the config (and whether --dataset folder:PATH / --export-dir exist):
 a bad combination fails in one line naming the flag, before anything is built. The cluster
 (--cluster, else TF_CONFIG) is resolved once, when a config is made from flags.
+
+Why one module over 450 lines: every flag is declared once, here, with its section, help and
+choices; split across files, the one place to read or add a flag would be several.
 """
 from __future__ import annotations
 

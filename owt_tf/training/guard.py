@@ -1,7 +1,7 @@
 """What stops a run early, and how it stops without losing work.
 
 * `NonFiniteGuard`: every step reports whether its loss and each gradient were finite
-  (HybridStrategy.train_step's "finite" flags). The first non-finite step stops the run
+  (the engine's train_step "finite" flags; owt_tf.training.step_policy applies this). The first non-finite step stops the run
   (`NonFiniteError`, naming the step and the first non-finite tensor) before anything is
   saved, so the last checkpoint stays the last good one; with --skip-nonfinite N up to N
   such steps are undone instead, from an on-device copy of every variable taken before

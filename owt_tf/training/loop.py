@@ -1,8 +1,13 @@
 """The custom training loop: builds a run from a RunConfig and drives it step by step.
 
-The step is one tf.function around HybridStrategy.train_step (the distribution lives in
-owt_tf.parallel); this module owns the order of things: data, steps, validation,
-progress and the final summary.
+The step is one tf.function around the engine's train_step (the distribution lives in
+owt_tf.parallel); this module owns the order of things: assembly of the run, data, steps,
+validation, checkpoints, export and the final summary. What becomes of a step once it ran
+(undo, loss-scale overflow, agreement across workers) is owt_tf.training.step_policy.
+
+Why one module over 450 lines: the order of a run (build, resume, step, validate, save,
+export, report) is one story that reads best in one place; each of its parts is a call
+into a module of its own.
 """
 from __future__ import annotations
 
@@ -12,7 +17,6 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -29,8 +33,10 @@ from owt_tf.training.optim import build_optimizer
 from owt_tf.training.rundir import RunDirLock, RunDirUnusable, check_writable
 from owt_tf.training.serving import export_saved_model
 from owt_tf.training.schedule import lr_factor
-from owt_tf.training.guard import (Interrupted, NonFiniteError, SignalStop, StepSnapshot,
-                                   WorkerLost, first_nonfinite, is_peer_failure)
+from owt_tf.training.guard import (Interrupted, SignalStop, StepSnapshot, WorkerLost,
+                                   is_peer_failure)
+from owt_tf.training.progress import ProgressLines
+from owt_tf.training.step_policy import StepPolicy
 from owt_tf.training.summaries import RunSummaries
 
 
@@ -64,28 +70,6 @@ def _model_spec(config: RunConfig, num_classes: Optional[int]):
                            seed=config.run.seed)
     except (UnsupportedModel, UserModelError) as err:
         raise ConfigError("--model", str(err)) from None
-
-
-class _ProgressLines:
-    """Keras' Progbar and the run's log lines on one terminal. The live bar redraws its line
-    with a carriage return and no newline until the last step, so a log line written
-    meanwhile would be glued to it: it starts a new line first."""
-
-    def __init__(self, steps: int, verbose: int, log: Callable[[str], None]):
-        self.bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "error", "img/s"],
-                                       verbose=verbose)
-        self._log = log
-        self._line_open = False
-
-    def update(self, step: int, values) -> None:
-        self.bar.update(step, values)
-        self._line_open = bool(self.bar.verbose) and step < self.bar.target
-
-    def log(self, text: str) -> None:
-        if self._line_open:
-            sys.stdout.write("\n")
-            self._line_open = False
-        self._log(text)
 
 
 class Trainer:
@@ -189,14 +173,16 @@ class Trainer:
         # Training images this process decoded (its own rows, and the candidates tried for
         # unreadable ones) and the global batches' images, since this Trainer started.
         self.decoded_images, self.batch_images = 0, 0
-        self._stop: Optional[SignalStop] = None  # set while fit() runs
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
         self._predict_fn = tf.function(lambda images: self.hybrid.engine.predict_step(self.model, images))
-        self._finite_names = self.hybrid.engine.finite_check_names(self.model)
         # fp16 undoes every step whose scaled gradients overflowed, as does --skip-nonfinite.
-        self._snapshot = (StepSnapshot(self._state_variables(), strategy)
-                          if config.run.skip_nonfinite or self.loss_scale is not None else None)
+        snapshot = (StepSnapshot(self._state_variables(), strategy)
+                    if config.run.skip_nonfinite or self.loss_scale is not None else None)
+        self.policy = StepPolicy(self.hybrid.placement, snapshot, self.loss_scale,
+                                 self.skipped_steps, config.run.skip_nonfinite,
+                                 self.hybrid.engine.finite_check_names(self.model),
+                                 lambda: self.checkpoints.latest)
 
     def _train_input(self, start: int):
         """This process's replicas' rows of the global batches from stream position `start`."""
@@ -263,29 +249,19 @@ class Trainer:
         batch = next(self._train_batches)
         images, labels, positions = batch[:3]
         unreadable = self._count_decodes(batch[3]) if len(batch) > 3 else 0
-        if self._snapshot is not None:
-            self._snapshot.take()
+        self.policy.before_step()
         out = self._train_fn(images, labels, with_grads)
-        finite, end, stop, unreadable = self._agree(out["finite"].numpy(),
-                                                    self._stream_end(positions), unreadable)
-        self._advance_data_position(end, unreadable)
-        overflowed = self._overflowed_loss_scale(finite)
-        nonfinite = None if overflowed else first_nonfinite(finite, self._finite_names)
-        if overflowed:
-            self._snapshot.restore()  # a scale step, not a guard stop: nothing is counted
-            self.loss_scale.update(False)
-        elif nonfinite is not None:
-            if int(self.skipped_steps) >= self.config.run.skip_nonfinite:
-                raise NonFiniteError(int(self.step), nonfinite, self.checkpoints.latest)
-            self._snapshot.restore()
-            self.skipped_steps.assign_add(1)
+        outcome = self.policy.after_step(int(self.step), out["finite"].numpy(),
+                                         self._stream_end(positions), unreadable)
+        self._advance_data_position(outcome.end, outcome.unreadable)
         count = int(out["count"])
         loss = float(out["loss_sum"]) / count
         seconds = time.perf_counter() - start
         grads = self.hybrid.engine.assemble_grads(self.model, out) if with_grads else None
         return StepMetrics(loss, 1.0 - int(out["correct"]) / count,
                            self.config.global_batch_size / seconds,
-                           float(self.hybrid.engine.ledger.total), grads, nonfinite, overflowed, stop)
+                           float(self.hybrid.engine.ledger.total), grads, outcome.nonfinite,
+                           outcome.overflowed, outcome.stop)
 
     def _count_decodes(self, failed) -> int:
         """Adds this process's rows' decodes to `decoded_images`; returns how many of its rows'
@@ -302,36 +278,10 @@ class Trainer:
         self.batch_images += batch
         return int(np.count_nonzero(failed))
 
-    def _overflowed_loss_scale(self, finite: np.ndarray) -> bool:
-        """fp16: whether this step's scaled gradients overflowed (a finite loss, some gradient
-        not, the scale above 1); also counts a finite step towards the scale's growth."""
-        if self.loss_scale is None:
-            return False
-        if bool(np.all(finite)):
-            self.loss_scale.update(True)
-            return False
-        return bool(finite[0]) and not self.loss_scale.at_minimum
-
     def _stream_end(self, positions) -> int:
         """The stream position after this process's rows of the batch."""
         local = self.hybrid.strategy.experimental_local_results(positions)
         return max(int(np.max(p)) for p in local) + 1
-
-    def _agree(self, finite: np.ndarray, end: int, unreadable: int) -> tuple:
-        """This step's finite flags, end of the input stream, stop request and unreadable
-        images of the global batch, agreed by every worker of a cluster in one small
-        all-reduce (they must take the same branch: undo, stop, save; and count the same);
-        this process's own values otherwise."""
-        stop = self._stop is not None and self._stop.signum is not None
-        if self.hybrid.placement.num_workers == 1:
-            return finite, end, stop, unreadable
-        # Positions go in this worker's own slot, so the sum carries every worker's.
-        mine = np.zeros(self.hybrid.placement.num_workers, np.int64)
-        mine[self.hybrid.placement.worker_id] = end
-        local = np.concatenate([1 - np.asarray(finite, np.int64), [int(stop), unreadable], mine])
-        agreed = self.hybrid.placement.sum_over_workers(local)
-        n = len(finite)
-        return agreed[:n] == 0, int(np.max(agreed[n + 2:])), bool(agreed[n]), int(agreed[n + 1])
 
     def _advance_data_position(self, after: int, unreadable: int) -> None:
         """Moves the saved stream position past this batch (positions have no gaps: an
@@ -394,13 +344,13 @@ class Trainer:
         summaries.sample_images(self.dataset.sample_images(), first)
         # A live bar on a terminal; in a log file only the periodic lines below.
         verbose = (1 if sys.stdout.isatty() else 0) if progress else 0
-        bar = _ProgressLines(steps, verbose, log)
+        bar = ProgressLines(steps, verbose, log)
         log = bar.log
         steps_per_epoch = self.dataset.num_train / config.global_batch_size
         val_history: List[List[float]] = []  # [epoch, val top-1 error] at every validation
         started = time.perf_counter()
         with SignalStop() as stop:
-            self._stop = stop
+            self.policy.signals = stop
             try:
                 history = self._train_steps(first, steps, summaries, bar, val_history, log)
                 wall = time.perf_counter() - started
@@ -415,7 +365,7 @@ class Trainer:
                     raise
                 raise WorkerLost(int(self.step), err, self.checkpoints.latest) from None
             finally:
-                self._stop = None
+                self.policy.signals = None
                 summaries.close()
                 self.checkpoints.close()
                 self._release_rundir()
@@ -481,7 +431,7 @@ class Trainer:
             if m.stop:
                 saved = self.checkpoints.save(i)
                 # In a cluster a worker may stop for another worker's signal (signum None).
-                raise Interrupted(self._stop.signum, i, saved, self.logdir)
+                raise Interrupted(self.policy.signals.signum, i, saved, self.logdir)
             if config.run.checkpoint_every and i % config.run.checkpoint_every == 0 and i < steps:
                 self.checkpoints.save(i)
             if config.run.eval_every and i % config.run.eval_every == 0 and i < steps:
