@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from owt_tf.cluster import DEVICE_TYPES, Cluster, ClusterError, resolve_cluster
 from owt_tf.parallel.plan import (AUTO, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS,
-                                  SCHEMES, ParallelPlan, PlanError, Scheme, check_auto_processes)
+                                  SCHEMES, ParallelPlan, PlanError, Scheme, check_auto_processes,
+                                  widths_problem)
 
 LR_SCALINGS = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "step", "cosine")
@@ -436,10 +437,11 @@ class RunConfig:
         if (self.parallel.scheme == AUTO or not Scheme(self.parallel.scheme).model_parallel
                 or self.model.model not in FC_WIDTHS):
             return
-        for width in FC_WIDTHS[self.model.model]:
-            if width % self.num_replicas:
-                raise ConfigError("--devices", f"model {self.model.model}'s FC width {width} "
-                                  f"is not divisible by {self.num_replicas} devices")
+        widths = FC_WIDTHS[self.model.model]
+        names = [f"model {self.model.model}'s FC layer {i + 1}" for i in range(len(widths))]
+        problem = widths_problem(widths, self.num_replicas, names)
+        if problem:
+            raise ConfigError("--devices", problem)
 
     def _check_run(self) -> None:
         r = self.run

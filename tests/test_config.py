@@ -45,7 +45,7 @@ def test_invalid_config_names_the_flag(changes, flag):
 
 
 def test_fc_width_not_divisible_by_devices():
-    with pytest.raises(ConfigError, match="FC width 256 is not divisible by 3"):
+    with pytest.raises(ConfigError, match="FC layer 1: width 256 is not divisible by 3"):
         RunConfig.from_flags(devices=3, scheme="owt-a").validate()
     RunConfig.from_flags(devices=3, scheme="data").validate()  # mirrored FC layers are not split
     RunConfig.from_flags(devices=4, scheme="owt-b").validate()  # 10 classes over 4: padded, allowed
@@ -222,7 +222,7 @@ def test_validate_writes_nothing_and_loads_no_model(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
-        "--devices: model alexnet_tiny's FC width 256 is not divisible by 3 devices", "[]"]
+        "--devices: model alexnet_tiny's FC layer 1: width 256 is not divisible by 3 devices", "[]"]
     assert os.listdir(tmp_path) == []
 
 

@@ -19,7 +19,7 @@ import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from owt_tf.models.cost import NetworkCost
-from owt_tf.parallel.plan import ParallelPlan, Scheme
+from owt_tf.parallel.plan import ParallelPlan, Scheme, widths_problem
 from owt_tf.parallel.cost_model import (OWT_SCHEMES, Hardware, Prediction, preset, rank,
                                         runner_up)
 # Which preset prices a GPU, by a part of its name (tf.config.experimental.get_device_details).
@@ -80,7 +80,7 @@ def choose(net: Optional[NetworkCost], hw: Hardware, k: int, batch_size: int,
         note = note or f"no scheme of {', '.join(schemes)} runs at K={k} with this model"
     if k == 1:
         scheme = str(Scheme.SINGLE)
-    elif any(w % k for w in hidden) and Scheme.DATA in schemes:
+    elif widths_problem(hidden, k) and Scheme.DATA in schemes:
         scheme = str(Scheme.DATA)
     else:
         scheme = FALLBACK_SCHEME

@@ -30,7 +30,7 @@ from owt_tf.parallel import ledger as coll
 from owt_tf.parallel import traffic
 from owt_tf.parallel.hardware import Hardware, measure_cpu
 from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PARALLEL_SCHEMES,
-                                  SCHEMES, VALUE_BYTES, Scheme)
+                                  SCHEMES, VALUE_BYTES, Scheme, widths_problem)
 
 # Pure Python (TensorFlow loads only to measure the CPU), so that `python -m owt_tf.plan`
 # rejects bad flags before TensorFlow loads.
@@ -312,7 +312,7 @@ def _fits(scheme: str, k: int, batch_size: int, hidden: Sequence[int] = ()) -> b
     scheme = Scheme(scheme)
     if scheme.batch_problem(k, batch_size):
         return False
-    return not scheme.model_parallel or all(w % k == 0 for w in hidden)
+    return not scheme.model_parallel or widths_problem(hidden, k) is None
 
 
 def candidates(net: NetworkCost, hw: Hardware, k: int, batch_size: int,

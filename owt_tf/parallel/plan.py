@@ -115,6 +115,17 @@ def check_auto_processes(scheme: str, num_workers: int) -> None:
                         "--recommend suggests one)")
 
 
+def widths_problem(hidden_widths: Sequence[int], num_replicas: int,
+                   names: Optional[Sequence[str]] = None) -> Optional[str]:
+    """Why hidden FC widths cannot be split evenly over K shards (the one check of this rule;
+    class counts are padded instead). `names`: how to call each layer in the message."""
+    for i, width in enumerate(hidden_widths):
+        if width % num_replicas:
+            name = names[i] if names else f"FC layer {i}"
+            return f"{name}: width {width} is not divisible by {num_replicas} devices"
+    return None
+
+
 class PlanError(ValueError):
     """A plan that cannot work; `field` names the ParallelPlan field (or 'devices',
     'batch_size', 'model') at fault."""
@@ -183,13 +194,9 @@ class ParallelPlan:
     def check_widths(self, hidden_widths: Sequence[int], num_replicas: int,
                      names: Optional[Sequence[str]] = None) -> "ParallelPlan":
         """Hidden FC widths must split evenly over the shards (class counts are padded)."""
-        if not self.model_parallel:
-            return self
-        for i, width in enumerate(hidden_widths):
-            if width % num_replicas:
-                name = names[i] if names else f"FC layer {i}"
-                raise PlanError("devices", f"{name}: width {width} is not divisible by "
-                                f"{num_replicas} devices")
+        problem = self.model_parallel and widths_problem(hidden_widths, num_replicas, names)
+        if problem:
+            raise PlanError("devices", problem)
         return self
 
     def rounds(self, num_replicas: int, batch_size: int) -> "StepRounds":

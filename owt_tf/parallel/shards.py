@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.plan import widths_problem
 
 COL, ROW = "col", "row"
 
@@ -171,9 +172,9 @@ class ShardedHead(tf.Module):
                  compute_dtype: str = "float32"):
         super().__init__(name="head")
         k = len(devices)
-        for width in spec.hidden:
-            if width % k:
-                raise ValueError(f"FC width {width} is not divisible by {k} devices")
+        problem = widths_problem(spec.hidden, k, spec.names[:-1] or None)
+        if problem:
+            raise ValueError(problem)
         self.spec = spec
         self.num_shards = k
         self.loss_mode = loss
