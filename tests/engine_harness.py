@@ -32,7 +32,7 @@ def he_scaled(spec: ModelSpec, seed: int) -> ModelSpec:
     trunk_weights, head = spec.initial_weights_for(trunk, seed)
     trainable = {id(v) for v in trunk.trainable_weights}
     trunk_weights = [w * _he_over_glorot(w.shape) if w.ndim > 1 and id(v) in trainable else w
-                     for v, w in zip(trunk.weights, trunk_weights)]
+                     for v, w in zip(trunk.weights, trunk_weights, strict=True)]
     head = [(k * _he_over_glorot(k.shape), b) for k, b in head[:-1]] + head[-1:]
     return dataclasses.replace(spec, initial_weights=lambda: (trunk_weights, head))
 
@@ -49,6 +49,28 @@ def every_copy(trainer):
     strategy = trainer.hybrid.strategy
     return [np.array(x) for v in trainer._state_variables()
             for x in strategy.experimental_local_results(v.value if is_mirrored(v) else v)]
+
+
+# What a step moves even when it is undone: its count, the input position, the guard's and
+# the loss scale's counters, and the checkpoint's own save counter.
+COUNTERS = ("step", "data_position", "skipped_nonfinite", "skipped_images", "loss_scale",
+            "loss_scale_good_steps", "save_counter")
+
+
+def checkpoint_tensors(trainer, path) -> Dict[str, np.ndarray]:
+    """Every tensor a checkpoint of `trainer` holds, written to `path` now and read back by
+    name: an undo is held to this, not to the list of variables the undo itself restores."""
+    written = trainer.checkpoints.checkpoint.write(str(path))
+    reader = tf.train.load_checkpoint(written)
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
+
+
+def changed_tensors(before: Dict[str, np.ndarray], after: Dict[str, np.ndarray]) -> set:
+    """Names of the tensors that differ (or exist in only one), counters left out."""
+    assert set(before) == set(after)
+    return {name for name in before if name.split("/")[0] not in COUNTERS
+            and not np.array_equal(before[name], after[name])}
 
 
 def random_batches(steps: int, global_batch: int, classes: int, seed: int = 0):
@@ -85,18 +107,18 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
         worst["loss"] = max(worst["loss"], abs(loss - expect["loss"]) / abs(expect["loss"]))
         trunk = [sum(np.asarray(g[i]) for g in out["trunk_grads"])
                  for i in range(len(expect["trunk_grads"]))]
-        for got, want in zip(trunk, expect["trunk_grads"]):
+        for got, want in zip(trunk, expect["trunk_grads"], strict=True):
             worst["trunk_grads"] = max(worst["trunk_grads"], rel_err(got, want))
         fc = hybrid.engine.assemble_fc_grads(model, out)
         assert len(fc) == len(expect["fc_grads"]), "number of FC updates per step differs"
-        for got_update, want_update in zip(fc, expect["fc_grads"]):
-            for got, want in zip(got_update, want_update):
+        for got_update, want_update in zip(fc, expect["fc_grads"], strict=True):
+            for got, want in zip(got_update, want_update, strict=True):
                 if np.linalg.norm(want) > 0:
                     worst["fc_grads"] = max(worst["fc_grads"], rel_err(got, want))
     got_w, want_w = model.full_weights(), ref.weights()
-    for got, want in zip(got_w["trunk"], want_w["trunk"]):
+    for got, want in zip(got_w["trunk"], want_w["trunk"], strict=True):
         worst["weights"] = max(worst["weights"], rel_err(got, want))
-    for (gk, gb), (wk, wb) in zip(got_w["head"], want_w["head"]):
+    for (gk, gb), (wk, wb) in zip(got_w["head"], want_w["head"], strict=True):
         worst["weights"] = max(worst["weights"], rel_err(gk, wk), rel_err(gb, wb))
     return {"worst": worst, "ledger": hybrid.engine.ledger, "trunk_params": model.trunk.count_params(),
             "features": spec.trunk_output_dim(model.trunk), "spec": spec, "rounds": rounds}

@@ -77,7 +77,7 @@ def copy_of(model: keras.Model) -> keras.Model:
 def max_rel_diff(a, b) -> float:
     """Worst relative difference over two lists of arrays (scale: the reference's max)."""
     worst = 0.0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         x, y = np.asarray(x), np.asarray(y)
         assert x.shape == y.shape, (x.shape, y.shape)
         worst = max(worst, float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-6)))

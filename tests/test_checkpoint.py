@@ -18,9 +18,9 @@ def _fit(devices, config, steps):
 
 
 def _assert_same_weights(a, b, tol=1e-5):
-    for x, y in zip(a["trunk"], b["trunk"]):
+    for x, y in zip(a["trunk"], b["trunk"], strict=True):
         assert rel_err(x, y) < tol
-    for (xk, xb), (yk, yb) in zip(a["head"], b["head"]):
+    for (xk, xb), (yk, yb) in zip(a["head"], b["head"], strict=True):
         assert rel_err(xk, yk) < tol and rel_err(xb, yb) < tol
 
 

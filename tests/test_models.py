@@ -58,10 +58,10 @@ def test_initial_weights_depend_on_the_seed_only():
     a = initial_trunk_weights(spec.build_trunk(), 3)
     b = initial_trunk_weights(spec.build_trunk(), 3)
     c = initial_trunk_weights(spec.build_trunk(), 4)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert not np.array_equal(a[0], c[0])
     h1, h2 = initial_head_weights(288, spec.head, 3), initial_head_weights(288, spec.head, 3)
-    assert all(np.array_equal(k1, k2) for (k1, _), (k2, _) in zip(h1, h2))
+    assert all(np.array_equal(k1, k2) for (k1, _), (k2, _) in zip(h1, h2, strict=True))
     assert [k.shape for k, _ in h1] == [(288, 256), (256, 256), (256, 10)]
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import owt_tf
-from engine_harness import (CONV_LR, FC_LR, MOMENTUM, WD, compare_with_reference, every_copy,
-                            random_batches)
+from engine_harness import (CONV_LR, FC_LR, MOMENTUM, WD, changed_tensors, checkpoint_tensors,
+                            compare_with_reference, every_copy, random_batches)
 from keras_models import alexnet_like, copy_of, dataset, random_data
 from owt_tf.models import build_model
 from owt_tf.models.split import UnsupportedModel
@@ -41,13 +41,13 @@ def _keras_low_precision_error(compute_dtype: str, rounds=None, fc_batch="global
         got = low.step(x, y, rounds, fc_batch, CONV_LR, FC_LR, MOMENTUM, WD)
         worst["loss"] = max(worst["loss"], abs(got["loss"] - want["loss"]) / want["loss"])
         worst["trunk_grads"] = max([worst["trunk_grads"]] + [
-            rel_err(g, w) for g, w in zip(got["trunk_grads"], want["trunk_grads"])])
+            rel_err(g, w) for g, w in zip(got["trunk_grads"], want["trunk_grads"], strict=True)])
         worst["fc_grads"] = max([worst["fc_grads"]] + [
-            rel_err(g, w) for gu, wu in zip(got["fc_grads"], want["fc_grads"])
-            for g, w in zip(gu, wu) if np.linalg.norm(w) > 0])
-    for got, want in zip(low.weights()["trunk"], exact.weights()["trunk"]):
+            rel_err(g, w) for gu, wu in zip(got["fc_grads"], want["fc_grads"], strict=True)
+            for g, w in zip(gu, wu, strict=True) if np.linalg.norm(w) > 0])
+    for got, want in zip(low.weights()["trunk"], exact.weights()["trunk"], strict=True):
         worst["weights"] = max(worst["weights"], rel_err(got, want))
-    for (gk, gb), (wk, wb) in zip(low.weights()["head"], exact.weights()["head"]):
+    for (gk, gb), (wk, wb) in zip(low.weights()["head"], exact.weights()["head"], strict=True):
         worst["weights"] = max(worst["weights"], rel_err(gk, wk), rel_err(gb, wb))
     return worst
 
@@ -115,9 +115,9 @@ def test_fp16_with_a_loss_scale_is_as_close_as_keras_own_fp16(devices):
         ref.step(x, y, [np.arange(K * BATCH)], "global", CONV_LR, FC_LR, MOMENTUM, WD)
     worst = 0.0
     got, want = model.full_weights(), ref.weights()
-    for g, w in zip(got["trunk"], want["trunk"]):
+    for g, w in zip(got["trunk"], want["trunk"], strict=True):
         worst = max(worst, rel_err(g, w))
-    for (gk, gb), (wk, wb) in zip(got["head"], want["head"]):
+    for (gk, gb), (wk, wb) in zip(got["head"], want["head"], strict=True):
         worst = max(worst, rel_err(gk, wk), rel_err(gb, wb))
     assert worst <= 2 * keras_fp16["weights"] + 1e-3, (worst, keras_fp16["weights"])
     shape = traffic.NetworkShape(model.trunk.count_params(), spec.trunk_output_dim(model.trunk),
@@ -140,10 +140,12 @@ def test_fp16_overflow_is_a_scale_step_not_a_stop(devices, tmp_path):
     trainer.loss_scale.scale.assign(2.0 ** 40)
 
     before = every_copy(trainer)
+    saved_before = checkpoint_tensors(trainer, tmp_path / "before")
     m = trainer.train_step()
     assert m.overflowed and m.nonfinite is None and int(trainer.skipped_steps) == 0
+    assert not changed_tensors(saved_before, checkpoint_tensors(trainer, tmp_path / "after"))
     assert float(trainer.loss_scale.scale.numpy()) == 2.0 ** 39
-    assert all(np.array_equal(b, a) for b, a in zip(before, every_copy(trainer)))
+    assert all(np.array_equal(b, a) for b, a in zip(before, every_copy(trainer), strict=True))
     for _ in range(40):  # halves until the scaled gradients fit in float16
         m = trainer.train_step()
         assert m.nonfinite is None and int(trainer.skipped_steps) == 0
@@ -153,7 +155,8 @@ def test_fp16_overflow_is_a_scale_step_not_a_stop(devices, tmp_path):
         pytest.fail("the loss scale never came down to a finite step")
     scale = float(trainer.loss_scale.scale.numpy())
     assert scale < 2.0 ** 39 and int(trainer.loss_scale.good_steps.numpy()) == 1
-    assert any(not np.array_equal(b, a) for b, a in zip(before, every_copy(trainer)))
+    assert any(not np.array_equal(b, a) for b, a in zip(before, every_copy(trainer), strict=True))
+    assert changed_tensors(saved_before, checkpoint_tensors(trainer, tmp_path / "later"))
 
 
 def test_a_run_changes_precision_when_it_resumes(devices, tmp_path):

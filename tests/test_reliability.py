@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from engine_harness import every_copy
+from engine_harness import changed_tensors, checkpoint_tensors, every_copy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 12
@@ -164,6 +164,7 @@ def test_skip_nonfinite_undoes_the_step_exactly(devices, tmp_path):
     for _ in range(2):
         assert trainer.train_step().nonfinite is None
     before = every_copy(trainer)
+    saved_before = checkpoint_tensors(trainer, tmp_path / "before")
     m = trainer.train_step()
     # NaN pixels: ReLU and max-pool drop them forward (the loss stays finite), but conv1's
     # kernel gradient multiplies by them
@@ -171,7 +172,9 @@ def test_skip_nonfinite_undoes_the_step_exactly(devices, tmp_path):
     assert int(trainer.step) == 3
     after = every_copy(trainer)
     assert len(after) > len(trainer._state_variables())  # the mirrored ones counted per replica
-    assert all(np.array_equal(b, a) for b, a in zip(before, after))
+    assert all(np.array_equal(b, a) for b, a in zip(before, after, strict=True))
+    saved_after = checkpoint_tensors(trainer, tmp_path / "after")
+    assert len(saved_before) > 20 and not changed_tensors(saved_before, saved_after)
     with pytest.raises(NonFiniteError, match="step 4: non-finite gradient of .*conv1/kernel"):
         trainer.train_step()
 

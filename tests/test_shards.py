@@ -31,7 +31,7 @@ def test_rounds_forward_and_gradients_equal_one_product_over_all_rows():
             return ys, tape.gradient(ys, xs + shard, output_gradients=upstream)
 
         (ys, grads), (want_ys, want_grads) = run(True), run(False)
-        for got, want in zip(ys + grads, want_ys + want_grads):
+        for got, want in zip(ys + grads, want_ys + want_grads, strict=True):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
 
 

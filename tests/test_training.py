@@ -31,9 +31,9 @@ def test_every_scheme_reaches_the_single_device_weights(devices, tmp_path):
     for scheme, k in LAYOUTS:
         got, losses = _weights_after(devices, scheme, k, tmp_path / f"{scheme}-{k}")
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5, err_msg=f"{scheme} K={k}")
-        for a, b in zip(got["trunk"], want["trunk"]):
+        for a, b in zip(got["trunk"], want["trunk"], strict=True):
             assert rel_err(a, b) < 1e-5, (scheme, k)
-        for (ak, ab), (bk, bb) in zip(got["head"], want["head"]):
+        for (ak, ab), (bk, bb) in zip(got["head"], want["head"], strict=True):
             assert rel_err(ak, bk) < 1e-5 and rel_err(ab, bb) < 1e-5, (scheme, k)
 
 
