@@ -94,3 +94,13 @@ class ReferenceModel:
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def update_err(got, want, start) -> float:
+    """The update `got - start` against the reference's `want - start`, per tensor: the norm
+    of their difference over the norm of the reference's update (0 when neither moved)."""
+    got, want, start = (np.asarray(t, np.float64) for t in (got, want, start))
+    want_update = want - start
+    if not np.any(want_update) and not np.any(got - start):
+        return 0.0
+    return rel_err(got - start, want_update)

@@ -14,8 +14,10 @@ TOL = 1e-5
 
 CASES = (
     [("single", 1, 8, "global", "gather", "gathered")]
+    # data mirrors its FC layers: the FC exchange does not apply, one case each
     + [(s, k, 8, "global", x, "gathered")
-       for k in (1, 2, 4) for s in ("data", "owt-a", "owt-b", "owt-c") for x in ("gather", "colrow")]
+       for k in (1, 2, 4) for s in ("data", "owt-a", "owt-b", "owt-c")
+       for x in (("gather",) if s == "data" else ("gather", "colrow"))]
     + [(s, k, 8, "worker", x, "gathered")
        for k in (2, 4) for s in ("owt-b", "owt-c") for x in ("gather", "colrow")]
     + [(s, 4, 8, fb, x, "sharded")
@@ -119,3 +121,24 @@ def test_reference_catches_a_wrong_gradient(devices, monkeypatch):
     monkeypatch.setattr("owt_tf.parallel.step.run_fc_rounds", k_times_too_large)
     result = compare_with_reference(devices, "owt-a", 2, 8, steps=1)
     assert result["worst"]["trunk_grads"] > 0.5
+
+
+@pytest.mark.parametrize("mutant", ["rates swapped", "FC decay 10 % low"])
+def test_reference_catches_a_wrong_rate_or_decay(devices, monkeypatch, mutant):
+    """The conv and FC rates differ in the harness, and updates are compared by their own
+    size: swapping the two rates, or an FC weight decay 10 % low, must fail the comparison."""
+    from owt_tf.training import optim
+
+    real = optim.build_optimizer
+
+    def wrong(hybrid, model, conv_lr, fc_lr, momentum, weight_decay):
+        built = (real(hybrid, model, fc_lr, conv_lr, momentum, weight_decay)
+                 if mutant == "rates swapped" else real(hybrid, model, conv_lr, fc_lr, momentum,
+                                                         weight_decay))
+        if mutant != "rates swapped":
+            built.fc.weight_decay = weight_decay * 0.9
+        return built
+
+    monkeypatch.setattr("engine_harness.build_optimizer", wrong)
+    result = compare_with_reference(devices, "owt-b", 2, 8, "worker", steps=3)
+    assert result["worst"]["updates"] > TOL, result["worst"]
