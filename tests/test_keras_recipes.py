@@ -265,3 +265,23 @@ def test_training_call_is_refused_in_one_line(devices):
     assert parallel(x, training=False).shape == (4, 10)
     with pytest.raises(TrainingCallError, match="fit or train_on_batch"):
         parallel(x, training=True)
+
+
+def test_trunk_regularization_losses_equal_plain_keras(devices):
+    """An L2 kernel regularizer on a trunk convolution: its loss is in the logged loss and its
+    gradient in the convolution's update, as in plain Keras (dropped, both differ)."""
+    x, y = random_data(3 * BATCH, seed=18)
+    keras.utils.set_random_seed(8)
+    reference = keras.Sequential([
+        keras.Input((16, 16, 3)),
+        keras.layers.Conv2D(4, 3, activation="relu", name="conv",
+                            kernel_regularizer=keras.regularizers.L2(0.05)),
+        keras.layers.Flatten(name="flatten"),
+        keras.layers.Dense(8, activation="relu", name="fc1"),
+        keras.layers.Dense(10, name="logits"),
+    ], name="regularized")
+    compile_kw = lambda: dict(optimizer=keras.optimizers.SGD(LR, momentum=0.9),  # noqa: E731
+                              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    parallel = _parallel(copy_of(reference), devices, **compile_kw())
+    got, want, before = _fit_both(reference, parallel, x, y, compile_kw)
+    _assert_same_run(got, want, before, parallel, reference)

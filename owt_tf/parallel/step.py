@@ -57,10 +57,13 @@ def replica_train_step(plan: StepRounds, head: ShardedHead, trunk_forward: Trunk
                            lambda grads: apply_fc(shard, grads), loss_scale)
     targets, output_grads = [activations], [rounds.activation_grad]
     if trunk_loss is not None:
-        # Every replica adds its copy and the trunk optimizer sums the K gradients.
-        targets.append(trunk_loss / plan.num_replicas)
+        # Every replica adds its copy and the trunk optimizer sums the K gradients: each
+        # contributes 1/K. The 1/K goes into the output gradient: a target computed after the
+        # tape closed (trunk_loss / K) is not on the tape, and its gradient would be silently
+        # zero -- the regularization dropped from every update.
         scale = 1.0 if loss_scale is None else tf.cast(loss_scale, trunk_loss.dtype)
-        output_grads.append(tf.ones_like(trunk_loss) * scale)
+        targets.append(trunk_loss)
+        output_grads.append(tf.ones_like(trunk_loss) * scale / plan.num_replicas)
     grads = trunk_tape.gradient(targets, list(trunk_variables), output_gradients=output_grads)
     grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trunk_variables)]
     grads = unscaled(grads, loss_scale)
