@@ -120,6 +120,9 @@ class DataConfig:
         None, "imagenet2012: the folder holding ILSVRC2012_img_train.tar and _val.tar")
     download: bool = _flag(
         False, "let TFDS download and prepare a tfds:NAME dataset that is not prepared yet")
+    classes: Optional[int] = _flag(
+        None, "--dataset synthetic only: how many classes its labels take (default 10; a "
+        "large head's benchmark runs take 10^5 or more); other datasets have their own")
     # digits and synthetic are held in memory and never augmented.
     augment: str = _flag(
         "auto",
@@ -425,6 +428,12 @@ class RunConfig:
             _choice("--dataset", dataset, DATASET_NAMES + ("folder:PATH", "tfds:NAME"))
         elif not os.path.isdir(dataset[len("folder:"):]):
             raise ConfigError("--dataset", f"{dataset}: no such directory")
+        if self.data.classes is not None:
+            if dataset != "synthetic":
+                raise ConfigError("--classes", f"{dataset} has its own classes; --classes sets "
+                                  "those of --dataset synthetic")
+            if self.data.classes < 2:
+                raise ConfigError("--classes", f"must be >= 2, got {self.data.classes}")
         if dataset in ("digits", "synthetic") and augment not in ("auto", "none"):
             raise ConfigError("--augment", f"{dataset} is held in memory and never "
                               "augmented; use a folder:, tfds: or imagenet2012 dataset")

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from owt_tf.config import RunConfig
+from owt_tf.config import ConfigError, RunConfig
 from owt_tf.training.loop import Trainer
 from reference import rel_err
 
@@ -93,3 +93,18 @@ def test_presets_fill_in_and_flags_override():
     flagged = parse_config(["--preset", "imagenet-paper", "--batch-size", "64"])
     assert flagged.parallel.batch_size == 64 and flagged.model.model == "alexnet"
     assert parse_config([]) == RunConfig()
+
+
+def test_synthetic_dataset_takes_a_class_count(devices, tmp_path):
+    """--dataset synthetic --classes N: labels drawn from N classes and an N-class head (the
+    CLI's way to a large head); refused for a dataset with classes of its own."""
+    config = RunConfig.from_flags(dataset="synthetic", classes=37, devices=2, batch_size=4,
+                                  steps=1, eval_every=0, checkpoint_every=0,
+                                  logdir=str(tmp_path / "run"))
+    trainer = Trainer(config, devices=devices[:2])
+    assert trainer.dataset.num_classes == 37 and trainer.spec.head.num_classes == 37
+    assert trainer.model.full_weights()["head"][-1][0].shape[1] == 37
+    labels = np.concatenate([trainer.dataset.train_labels, trainer.dataset.val_labels])
+    assert labels.max() == 36 and len(np.unique(labels)) > 30
+    with pytest.raises(ConfigError, match="--classes"):
+        RunConfig.from_flags(dataset="digits", classes=37).validate()

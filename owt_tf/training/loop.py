@@ -122,7 +122,8 @@ class Trainer:
             raise ConfigError("--" + err.field.replace("_", "-"), err.message) from None
         probe = _model_spec(config, None)
         data = config.data
-        self.dataset = load_dataset(data.dataset, probe.input_shape, seed=config.run.seed,
+        self.dataset = load_dataset(data.dataset, probe.input_shape, data.classes,
+                                    seed=config.run.seed,
                                     data_dir=data.data_dir, download=data.download,
                                     manual_dir=data.manual_dir, augment=data.augment)
         self.input_stats = settle_normalisation(
