@@ -154,7 +154,7 @@ def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
 
 # Reads the values of every shard's variables, given this process's own shards' variables
 # by shard index: [values of shard 0's variables, ..., of shard K-1's]. In one process a
-# plain read; in a cluster a collective gather (HybridStrategy.read_shards).
+# plain read; in a cluster a collective gather (Placement.read_shards).
 ShardReader = Callable[[Dict[int, List[tf.Variable]]], List[List[np.ndarray]]]
 
 
