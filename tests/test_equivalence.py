@@ -5,12 +5,22 @@ The same runs check the byte ledger against the closed-form traffic formula, exa
 """
 import pytest
 
-from engine_harness import compare_with_reference
+from engine_harness import DISTINCT_FC_LR, compare_with_reference
 from owt_tf.models.cost import network_cost
 from owt_tf.parallel import cost_model
 from owt_tf.parallel import traffic
 
 TOL = 1e-5
+# Each weight's update against the reference's (per tensor, relative to the update): fp32
+# rounding gives 1.5e-6 .. 4.5e-6 at K <= 8 and 1.4e-5 at K = 16; an FC decay 10 % low
+# gives 3.2e-4, swapped rates 3.4.
+UPDATE_TOL = 5e-5
+
+
+def _assert_close(worst) -> None:
+    for what, err in worst.items():
+        bound = UPDATE_TOL if what == "updates" else TOL
+        assert err < bound, f"{what}: relative error {err:.3g}"
 
 CASES = (
     [("single", 1, 8, "global", "gather", "gathered")]
@@ -60,8 +70,7 @@ def test_vgg_tiny_matches_single_device_reference(devices, scheme, k, batch, fc_
 def _check_against_reference(devices, model, scheme, k, batch, fc_batch, fc_exchange, loss, steps=3):
     result = compare_with_reference(devices, scheme, k, batch, fc_batch, fc_exchange, loss,
                                     model=model, steps=steps)
-    for what, err in result["worst"].items():
-        assert err < TOL, f"{what}: relative error {err:.3g}"
+    _assert_close(result["worst"])
     spec = result["spec"]
     shape = traffic.NetworkShape(result["trunk_params"], result["features"], spec.head.hidden,
                                  spec.head.num_classes)
@@ -102,8 +111,7 @@ JIT_CASES = [("owt-a", 2, "global", "gather"), ("owt-b", 4, "worker", "colrow"),
 @pytest.mark.parametrize("scheme,k,fc_batch,fc_exchange", JIT_CASES, ids=[_id(c) for c in JIT_CASES])
 def test_xla_compiled_trunk_stays_exact(devices, scheme, k, fc_batch, fc_exchange):
     result = compare_with_reference(devices, scheme, k, 8, fc_batch, fc_exchange, jit=True, steps=2)
-    for what, err in result["worst"].items():
-        assert err < TOL, f"{what}: relative error {err:.3g}"
+    _assert_close(result["worst"])
 
 
 def test_reference_catches_a_wrong_gradient(devices, monkeypatch):
@@ -140,5 +148,20 @@ def test_reference_catches_a_wrong_rate_or_decay(devices, monkeypatch, mutant):
         return built
 
     monkeypatch.setattr("engine_harness.build_optimizer", wrong)
-    result = compare_with_reference(devices, "owt-b", 2, 8, "worker", steps=3)
-    assert result["worst"]["updates"] > TOL, result["worst"]
+    result = compare_with_reference(devices, "owt-b", 2, 8, "worker", steps=3,
+                                    fc_lr=DISTINCT_FC_LR)
+    assert result["worst"]["updates"] > UPDATE_TOL, result["worst"]
+
+
+# The paper's recipe lives on the conv and FC rates differing: engine and reference at
+# conv 0.01 / FC 0.005 (cases measured clear of ReLU kinks at these rates).
+DISTINCT_RATE_CASES = [("owt-b", 2, "worker", "gather"), ("owt-b", 2, "worker", "colrow"),
+                       ("owt-c", 2, "worker", "gather"), ("owt-c", 4, "worker", "colrow")]
+
+
+@pytest.mark.parametrize("scheme,k,fc_batch,fc_exchange", DISTINCT_RATE_CASES,
+                         ids=[_id(c) for c in DISTINCT_RATE_CASES])
+def test_distinct_conv_and_fc_rates_match_reference(devices, scheme, k, fc_batch, fc_exchange):
+    result = compare_with_reference(devices, scheme, k, 8, fc_batch, fc_exchange,
+                                    fc_lr=DISTINCT_FC_LR)
+    _assert_close(result["worst"])
