@@ -38,7 +38,7 @@ MUTANTS: List[Mutant] = [
     Mutant("rates swapped", "owt_tf/training/optim.py",
            "trunk = MirroredSGD(hybrid.strategy, model.trunk.trainable_variables, conv_lr,",
            "trunk = MirroredSGD(hybrid.strategy, model.trunk.trainable_variables, fc_lr,",
-           ["tests/test_equivalence.py -k owt-b-2-8-worker-gather-gathered"]),
+           ["tests/test_equivalence.py -k distinct_conv_and_fc_rates"]),
     Mutant("colrow as gather", "owt_tf/parallel/shards.py",
            "hidden = [COL if i % 2 == 0 else ROW for i in range(num_layers - 1)]",
            "hidden = [COL for i in range(num_layers - 1)]",
