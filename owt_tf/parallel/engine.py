@@ -31,8 +31,6 @@ class Engine:
         self.placement = placement
         self.plan = plan
         self.rounds = rounds
-        self.model_parallel = plan.model_parallel
-        self.jit = plan.jit
         self._compiled_trunks: Dict[tuple, tf.types.experimental.GenericFunction] = {}
         self.ledger = coll.TrafficLedger()
 
@@ -69,7 +67,7 @@ class Engine:
             for li, layer in enumerate(model.head.layers):
                 kern = [np.asarray(r[u][2 * li]) for r in per_replica]
                 bias = [np.asarray(r[u][2 * li + 1]) for r in per_replica]
-                grads += (list(assemble(layer, kern, bias)) if self.model_parallel
+                grads += (list(assemble(layer, kern, bias)) if self.plan.model_parallel
                           else [sum(kern), sum(bias)])
             updates.append(grads)
         return updates
@@ -97,11 +95,11 @@ class Engine:
 
     def predict_step(self, model: DistributedModel, images) -> tf.Tensor:
         """Logits [global batch, classes] of a distributed batch, rows in global order."""
-        if not self.model_parallel:
+        if not self.plan.model_parallel:
             self.placement.check_one_process("predict_step under data parallelism")
         out = self.placement.run(functools.partial(self._replica_logits, model), images)
         local = self.placement.strategy.experimental_local_results(out)
-        return local[0] if self.model_parallel else tf.concat(list(local), axis=0)
+        return local[0] if self.plan.model_parallel else tf.concat(list(local), axis=0)
 
     def trunk_forward(self, trunk: keras.Model, training: bool):
         """The trunk's forward pass as a step.TrunkForward; with jit, an XLA-compiled function
@@ -117,7 +115,7 @@ class Engine:
             return trunk(images, training=training)
 
         compiled = forward
-        if self.jit:
+        if self.plan.jit:
             key = (id(trunk), training, coll.replica_id())
             if key not in self._compiled_trunks:
                 self._compiled_trunks[key] = tf.function(forward, jit_compile=True)
@@ -150,12 +148,12 @@ class Engine:
         return out
 
     def _replica_logits(self, model, images):
-        return replica_logits(self.model_parallel, model.head,
+        return replica_logits(self.plan.model_parallel, model.head,
                               self.trunk_forward(model.trunk, False), images)
 
     def _replica_eval_step(self, model, images, labels):
         logits = self._replica_logits(model, images)
-        if self.model_parallel:
+        if self.plan.model_parallel:
             labels = coll.gather_labels(labels)
         head = model.head
         valid = labels >= 0
@@ -180,7 +178,7 @@ class Engine:
                 merged[key] = local
             elif key == "finite":
                 merged[key] = tf.reduce_all(tf.stack(list(local)), axis=0)
-            elif self.model_parallel:
+            elif self.plan.model_parallel:
                 merged[key] = local[0]
             elif self.placement.cluster is not None:
                 merged[key] = self.placement.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)

@@ -35,7 +35,7 @@ class KerasShardOptimizer:
     def __init__(self, template: keras.optimizers.Optimizer, head: ShardedHead,
                  devices: List[str], trunk_optimizer, lr_ratio: float,
                  own_schedule: bool = False):
-        name = type(template).__name__
+        self.kind = name = type(template).__name__
         if name not in ELEMENTWISE_OPTIMIZERS:
             raise CompileError(f"optimizer {name}: its update is not element-wise, so a shard's "
                                f"update would differ from the whole layer's (supported: "
@@ -45,7 +45,6 @@ class KerasShardOptimizer:
         self.trunk_optimizer = trunk_optimizer
         self.lr_ratio = lr_ratio
         self.weight_decay = template.weight_decay
-        self.kind = type(template).__name__
         # An fc_optimizer with a rate schedule follows it, on its own step count (one per FC
         # update: K a step with fc_batch='worker', as K plain Keras updates would advance it).
         self.own_schedule = own_schedule and isinstance(
