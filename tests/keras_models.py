@@ -100,3 +100,42 @@ def update_rel_diff(before, got, want) -> float:
 
 def dataset(x, y, batch: int) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def round_rows(scheme, k, b, r):
+    if scheme == "owt-b":
+        return np.arange(r * b, (r + 1) * b)
+    s = b // k
+    return np.concatenate([np.arange(j * b + r * s, j * b + (r + 1) * s) for j in range(k)])
+
+
+def worker_reference(model, x, y, k, scheme, steps, batch, lr, momentum, trunk_opt=None,
+                     fc_opt=None):
+    """One device: per step, K FC updates on the rounds' rows, then one trunk update from
+    the mean of the rounds' activation gradients (each taken at that round's FC weights)."""
+    trunk = keras.Model(model.inputs, model.get_layer("flatten").output)
+    dense = [model.get_layer(n) for n in ("fc1", "fc2", "predictions")]
+    fc_vars = [v for layer in dense for v in layer.trainable_variables]
+    trunk_opt = trunk_opt or keras.optimizers.SGD(lr, momentum=momentum)
+    fc_opt = fc_opt or keras.optimizers.SGD(lr, momentum=momentum)
+    losses = []
+    for step in range(steps):
+        xb, yb = x[step * batch:(step + 1) * batch], y[step * batch:(step + 1) * batch]
+        with tf.GradientTape() as tape:
+            features = trunk(xb)
+        feature_grad = tf.zeros_like(features)
+        for r in range(k):
+            rows = round_rows(scheme, k, batch // k, r)
+            with tf.GradientTape() as round_tape:
+                round_tape.watch(features)
+                h = tf.gather(features, rows)
+                for layer in dense:
+                    h = layer(h)
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb[rows], h))
+            g_features, *g_fc = round_tape.gradient(loss, [features] + fc_vars)
+            feature_grad += tf.convert_to_tensor(g_features) / k
+            fc_opt.apply_gradients(zip(g_fc, fc_vars))
+            losses.append(float(loss))
+        grads = tape.gradient(features, trunk.trainable_variables, output_gradients=feature_grad)
+        trunk_opt.apply_gradients(zip(grads, trunk.trainable_variables))
+    return losses

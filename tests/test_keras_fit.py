@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import owt_tf
 from keras_models import (alexnet_like, copy_of, dataset, max_rel_diff, random_data,
-                          single_dense_head, update_rel_diff)
+                          single_dense_head, update_rel_diff, worker_reference)
 
 LR, MOMENTUM, BATCH, STEPS = 0.05, 0.9, 32, 3
 
@@ -62,50 +62,12 @@ def test_single_dense_head_logits_and_numpy_input(devices):
     assert got["loss"][0] == pytest.approx(want["loss"][0], rel=1e-5)
 
 
-def _round_rows(scheme, k, b, r):
-    if scheme == "owt-b":
-        return np.arange(r * b, (r + 1) * b)
-    s = b // k
-    return np.concatenate([np.arange(j * b + r * s, j * b + (r + 1) * s) for j in range(k)])
-
-
-def _worker_reference(model, x, y, k, scheme, trunk_opt=None, fc_opt=None):
-    """One device: per step, K FC updates on the rounds' rows, then one trunk update from
-    the mean of the rounds' activation gradients (each taken at that round's FC weights)."""
-    trunk = keras.Model(model.inputs, model.get_layer("flatten").output)
-    dense = [model.get_layer(n) for n in ("fc1", "fc2", "predictions")]
-    fc_vars = [v for layer in dense for v in layer.trainable_variables]
-    trunk_opt = trunk_opt or keras.optimizers.SGD(LR, momentum=MOMENTUM)
-    fc_opt = fc_opt or keras.optimizers.SGD(LR, momentum=MOMENTUM)
-    losses = []
-    for step in range(STEPS):
-        xb, yb = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
-        with tf.GradientTape() as tape:
-            features = trunk(xb)
-        feature_grad = tf.zeros_like(features)
-        for r in range(k):
-            rows = _round_rows(scheme, k, BATCH // k, r)
-            with tf.GradientTape() as round_tape:
-                round_tape.watch(features)
-                h = tf.gather(features, rows)
-                for layer in dense:
-                    h = layer(h)
-                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb[rows], h))
-            g_features, *g_fc = round_tape.gradient(loss, [features] + fc_vars)
-            feature_grad += tf.convert_to_tensor(g_features) / k
-            fc_opt.apply_gradients(zip(g_fc, fc_vars))
-            losses.append(float(loss))
-        grads = tape.gradient(features, trunk.trainable_variables, output_gradients=feature_grad)
-        trunk_opt.apply_gradients(zip(grads, trunk.trainable_variables))
-    return losses
-
-
 @pytest.mark.parametrize("k,scheme", [(2, "owt-b"), (4, "owt-c")])
 def test_fc_batch_worker_equals_sequential_fc_updates(devices, k, scheme):
     x, y = random_data(BATCH * STEPS, seed=2)
     reference = alexnet_like()
     parallel = _parallel(copy_of(reference), devices, k, scheme, fc_batch="worker")
-    losses = _worker_reference(reference, x, y, k, scheme)
+    losses = worker_reference(reference, x, y, k, scheme, STEPS, BATCH, LR, MOMENTUM)
     got = parallel.fit(dataset(x, y, BATCH), epochs=1, verbose=0).history
     assert max_rel_diff(parallel.to_keras_model().get_weights(), reference.get_weights()) < 1e-5
     assert got["loss"][0] == pytest.approx(np.mean(losses), rel=1e-5)
@@ -147,9 +109,9 @@ def test_fc_optimizer_own_rate_and_schedule_equal_sequential_fc_updates(devices,
         parallel.compile(optimizer=keras.optimizers.SGD(LR * k, momentum=MOMENTUM),
                          fc_optimizer=keras.optimizers.SGD(_fc_schedule(), momentum=MOMENTUM),
                          loss="sparse_categorical_crossentropy")
-    losses = _worker_reference(reference, x, y, k, scheme,
-                               keras.optimizers.SGD(LR * k, momentum=MOMENTUM),
-                               keras.optimizers.SGD(_fc_schedule(), momentum=MOMENTUM))
+    losses = worker_reference(reference, x, y, k, scheme, STEPS, BATCH, LR, MOMENTUM,
+                              keras.optimizers.SGD(LR * k, momentum=MOMENTUM),
+                              keras.optimizers.SGD(_fc_schedule(), momentum=MOMENTUM))
     got = parallel.fit(dataset(x, y, BATCH), epochs=1, verbose=0).history
     assert update_rel_diff(before, parallel.to_keras_model().get_weights(),
                            reference.get_weights()) < 1e-4

@@ -161,8 +161,15 @@ def test_on_batch_methods_equal_plain_keras(devices):
         reference.test_on_batch(x[:30], y[:30]), rel=1e-5)
     np.testing.assert_allclose(parallel.predict_on_batch(x[:6]), reference.predict_on_batch(x[:6]),
                                atol=1e-6)
-    with pytest.raises(keras_data.DataError, match="sample weights"):
-        parallel.train_on_batch(x[:BATCH], y[:BATCH], sample_weight=np.ones(BATCH))
+    # Sample weights: one more weighted step, and a weighted evaluation, alike.
+    weights = np.linspace(0.2, 2.0, BATCH).astype("float32")
+    got = parallel.train_on_batch(x[:BATCH], y[:BATCH], sample_weight=weights, return_dict=True)
+    want = reference.train_on_batch(x[:BATCH], y[:BATCH], sample_weight=weights, return_dict=True)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert update_rel_diff(before, parallel.to_keras_model().get_weights(),
+                           reference.get_weights()) < 1e-4
+    assert parallel.test_on_batch(x[:30], y[:30], sample_weight=weights[:30]) == pytest.approx(
+        reference.test_on_batch(x[:30], y[:30], sample_weight=weights[:30]), rel=1e-5)
 
 
 def test_compile_keeps_the_users_optimizer_object(devices):

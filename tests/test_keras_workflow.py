@@ -297,10 +297,11 @@ def test_refused_models_name_the_layer(devices, make):
     ({"steps_per_execution": 2}, "steps_per_execution"),
     ({"run_eagerly": True}, "run_eagerly"),
     ({"jit_compile": True}, "jit_compile"),
-    ({"optimizer": keras.optimizers.SGD(0.1, clipnorm=1.0)}, "clipnorm"),
-    ({"optimizer": keras.optimizers.SGD(0.1, clipvalue=1.0)}, "clipvalue"),
+    ({"optimizer": keras.optimizers.SGD(0.1, use_ema=True)}, "use_ema"),
     ({"loss_scale_factor": 2.0}, "loss_scale_factor"),
-    ({"loss": keras.losses.SparseCategoricalCrossentropy(reduction="sum")}, "reduction"),
+    ({"loss": keras.losses.SparseCategoricalCrossentropy(reduction="none")}, "reduction"),
+    ({"optimizer": keras.optimizers.SGD(0.1, global_clipnorm=1.0),
+      "fc_optimizer": keras.optimizers.SGD(0.1)}, "global_clipnorm"),
     ({"optimizer": keras.optimizers.Lamb(0.1)}, "Lamb"),
 ])
 def test_refused_compile_settings(devices, setting, words):

@@ -5,15 +5,19 @@ scheme's rounds are planned for it).
 - training: whole global batches only (a last partial batch is dropped, as
   `drop_remainder=True` would; a hybrid step needs the same rows on every replica);
 - evaluation and prediction: every row counts, so the last batch is padded to the global
-  batch with rows of weight 0 (evaluation) or masked out of the result (prediction).
+  batch with rows marked invalid (evaluation) or masked out of the result (prediction).
 
 Arrays (numpy or tensors) become `tf.data` datasets here; a dataset keeps its elements and
-order, re-batched to its own batch size.
+order, re-batched to its own batch size. Sample weights (an argument, or a third element of
+the dataset) and class weights become a float32 weight per row, as Keras' data adapters
+make them; `validation_split` takes the last rows of arrays, as Keras does.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import math
+from typing import Dict, Optional, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 DEFAULT_BATCH_SIZE = 32  # Keras' own default for arrays
@@ -35,11 +39,14 @@ def _first_dim(dataset: tf.data.Dataset) -> int:
     raise DataError("the dataset is empty")
 
 
-def _as_dataset(x, y, batch_size: Optional[int]) -> Tuple[tf.data.Dataset, int]:
-    """A dataset of (x, y) / (x,) rows, unbatched, and the global batch size to use."""
+def _as_dataset(x, y, batch_size: Optional[int],
+                sample_weight=None) -> Tuple[tf.data.Dataset, int]:
+    """A dataset of (x, y[, sample weight]) / (x,) rows, unbatched, and the global batch
+    size to use."""
     if isinstance(x, tf.data.Dataset):
-        if y is not None:
-            raise DataError("y must not be given with a tf.data.Dataset (it yields (x, y))")
+        if y is not None or sample_weight is not None:
+            raise DataError("y and sample_weight must not be given with a tf.data.Dataset "
+                            "(it yields (x, y) or (x, y, sample_weight))")
         size = _first_dim(x)
         if batch_size is not None and batch_size != size:
             raise DataError(f"batch_size={batch_size} given for a dataset batched by {size}")
@@ -47,6 +54,12 @@ def _as_dataset(x, y, batch_size: Optional[int]) -> Tuple[tf.data.Dataset, int]:
     if x is None:
         raise DataError("no input data")
     rows = (x,) if y is None else (x, y)
+    if sample_weight is not None:
+        if y is None:
+            raise DataError("sample_weight needs labels y")
+        if len(sample_weight) != len(x):
+            raise DataError(f"sample_weight has {len(sample_weight)} rows, x has {len(x)}")
+        rows += (sample_weight,)
     for t in rows:
         if not hasattr(t, "shape"):
             raise DataError(f"expected numpy arrays, tensors or a tf.data.Dataset; got "
@@ -56,20 +69,73 @@ def _as_dataset(x, y, batch_size: Optional[int]) -> Tuple[tf.data.Dataset, int]:
     return tf.data.Dataset.from_tensor_slices(rows), batch_size or DEFAULT_BATCH_SIZE
 
 
-def _elements(dataset: tf.data.Dataset, with_labels: bool) -> tf.data.Dataset:
-    """(x, y) or (x,) of each row; a sample weight in the data is refused."""
+def _elements(dataset: tf.data.Dataset, with_labels: bool,
+              class_weight: Optional[Dict[int, float]] = None) -> tf.data.Dataset:
+    """(x, y), (x, y, weight) or (x,) of each row: the weight is the row's sample weight or
+    its class weight (no weight when the data gives neither: every weight 1)."""
     spec = dataset.element_spec
     if not isinstance(spec, tuple):
         if with_labels:
             raise DataError("the data has no labels (expected (x, y) elements)")
         return dataset.map(lambda x: (x,))
-    if len(spec) == 3:
-        raise DataError("sample weights are not supported by a parallelized model")
     if with_labels and len(spec) < 2:
         raise DataError("the data has no labels (expected (x, y) elements)")
-    if with_labels:
-        return dataset.map(lambda *t: (t[0], _class_ids(t[1])))
-    return dataset.map(lambda *t: (t[0],))
+    if not with_labels:
+        return dataset.map(lambda *t: (t[0],))
+    if class_weight is not None and len(spec) == 3:
+        raise DataError("class_weight and sample_weight cannot be given together (as in Keras)")
+    if len(spec) == 2 and class_weight is None:
+        return dataset.map(lambda x, y: (x, _class_ids(y)))
+    weigh = None if class_weight is None else _class_weigher(class_weight)
+
+    def row(*t):
+        weight = _row_weight(t[2]) if len(t) == 3 else weigh(t[1])
+        return t[0], _class_ids(t[1]), weight
+
+    return dataset.map(row)
+
+
+def _row_weight(weight: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(tf.cast(weight, tf.float32), [])
+
+
+def _class_weigher(class_weight: Optional[Dict[int, float]]):
+    """One row's labels -> its class weight (1 for a class not in the dict, as Keras' array
+    adapter gives); one-hot rows by their argmax."""
+    if not class_weight or any(int(c) < 0 for c in class_weight):
+        raise DataError("class_weight must map class ids >= 0 to weights")
+    table = np.ones(max(int(c) for c in class_weight) + 1, np.float32)
+    for c, w in class_weight.items():
+        table[int(c)] = w
+    table = tf.constant(table)
+
+    def weigh(labels):
+        labels = tf.reshape(labels, [-1])
+        cls = (tf.argmax(labels, output_type=tf.int32) if labels.shape[0] != 1
+               else tf.cast(tf.round(tf.cast(labels[0], tf.float32)), tf.int32))
+        inside = (cls >= 0) & (cls < table.shape[0])
+        return tf.where(inside, tf.gather(table, tf.clip_by_value(cls, 0, table.shape[0] - 1)), 1.0)
+
+    return weigh
+
+
+def validation_split_of(x, y, sample_weight, fraction: float):
+    """(train arrays, validation arrays) of (x, y, sample_weight): the last `fraction` of the
+    rows held out, before any shuffling (Keras' rule: split at floor(n x (1 - fraction)))."""
+    if isinstance(x, tf.data.Dataset) or not hasattr(x, "shape"):
+        raise DataError("validation_split is only supported for arrays (as in Keras); "
+                        "pass validation_data")
+    n = len(x)
+    split = int(math.floor(n * (1.0 - fraction)))
+    if split in (0, n):
+        raise DataError(f"{n} rows cannot be split by validation_split={fraction}")
+
+    def part(t, rows):
+        return None if t is None else t[rows]
+
+    head, tail = slice(0, split), slice(split, n)
+    return ((x[head], part(y, head), part(sample_weight, head)),
+            (x[tail], part(y, tail), part(sample_weight, tail)))
 
 
 def _class_ids(labels: tf.Tensor, batched: bool = False) -> tf.Tensor:
@@ -91,25 +157,29 @@ def check_global_batch(size: int, num_replicas: int) -> int:
     return size // num_replicas
 
 
-def training_batches(x, y, batch_size: Optional[int], shuffle: bool,
-                     num_replicas: int) -> Tuple[tf.data.Dataset, int]:
-    """Whole global batches of (x, y), and the per-replica batch size."""
-    rows, size = _as_dataset(x, y, batch_size)
+def training_batches(x, y, batch_size: Optional[int], shuffle: bool, num_replicas: int,
+                     sample_weight=None, class_weight: Optional[Dict[int, float]] = None
+                     ) -> Tuple[tf.data.Dataset, int]:
+    """Whole global batches of (x, y, weight), and the per-replica batch size."""
+    if class_weight is not None and sample_weight is not None:
+        raise DataError("class_weight and sample_weight cannot be given together (as in Keras)")
+    rows, size = _as_dataset(x, y, batch_size, sample_weight)
     per_replica = check_global_batch(size, num_replicas)
+    rows = _elements(rows, with_labels=True, class_weight=class_weight)
     if shuffle and not isinstance(x, tf.data.Dataset):
-        batches = _shuffled_batches(x, y, size)
+        batches = _shuffled_batches(rows, len(x), size)
     else:
-        batches = _elements(rows, with_labels=True).batch(size, drop_remainder=True)
+        batches = rows.batch(size, drop_remainder=True)
     return batches.prefetch(tf.data.AUTOTUNE), per_replica
 
 
-def _shuffled_batches(x, y, size: int) -> tf.data.Dataset:
+def _shuffled_batches(rows: tf.data.Dataset, n: int, size: int) -> tf.data.Dataset:
     """Whole batches of every row in a new order each epoch, as Keras shuffles arrays: a
     permutation of the row indices (8 bytes a row in the shuffle buffer), not a window."""
-    x, y = tf.convert_to_tensor(x), tf.convert_to_tensor(y)
-    order = tf.data.Dataset.range(len(x)).shuffle(len(x), reshuffle_each_iteration=True)
+    table = next(iter(rows.batch(n)))  # every row, labels and weights prepared once
+    order = tf.data.Dataset.range(n).shuffle(n, reshuffle_each_iteration=True)
     return order.batch(size, drop_remainder=True).map(
-        lambda i: (tf.gather(x, i), _class_ids(tf.gather(y, i), batched=True)))
+        lambda i: tuple(tf.gather(t, i) for t in table))
 
 
 def _pad_rows(t: tf.Tensor, pad: tf.Tensor, size: int) -> tf.Tensor:
@@ -119,18 +189,22 @@ def _pad_rows(t: tf.Tensor, pad: tf.Tensor, size: int) -> tf.Tensor:
 
 
 def padded_batches(x, y, batch_size: Optional[int], num_replicas: int,
-                   with_labels: bool) -> tf.data.Dataset:
-    """Global batches padded to a static size: (x, y, weight) for evaluation (weight 0 on
-    padding), (x, valid) for prediction (valid 0 on padding)."""
-    rows, size = _as_dataset(x, y, batch_size)
+                   with_labels: bool, sample_weight=None) -> tf.data.Dataset:
+    """Global batches padded to a static size: (x, y, valid) or, with sample weights,
+    (x, y, (weight, valid)) for evaluation; (x, valid) for prediction. valid is 0 on padding
+    rows, 1 on real ones."""
+    rows, size = _as_dataset(x, y, batch_size, sample_weight)
     size = -(-size // num_replicas) * num_replicas  # evaluation pads up to a multiple of K
     rows = _elements(rows, with_labels)
 
     def pad(*batch):
         n = tf.shape(batch[0])[0]
         extra = size - n
-        weight = _pad_rows(tf.ones([n], tf.float32), extra, size)
-        return tuple(_pad_rows(t, extra, size) for t in batch) + (weight,)
+        valid = _pad_rows(tf.ones([n], tf.float32), extra, size)
+        padded = tuple(_pad_rows(t, extra, size) for t in batch)
+        if len(padded) == 3:
+            return padded[:2] + ((padded[2], valid),)
+        return padded + (valid,)
 
     # Re-batched with drop_remainder (every batch is whole now): tf.distribute splits a
     # dataset by its last batch op, and one without drop_remainder gives replicas batches of

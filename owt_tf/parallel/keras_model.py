@@ -37,11 +37,14 @@ from owt_tf.devices import outside_strategy_scope
 from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel import head_state, keras_data
-from owt_tf.parallel.keras_compile import (CompileError, KerasShardOptimizer,  # noqa: F401
-                                           per_example_loss, rate_ratio, refuse_optimizer,
+from owt_tf.parallel.keras_compile import (MEAN_REDUCTIONS, CompileError,  # noqa: F401
+                                           GradientClip, KerasShardOptimizer, apply_summed,
+                                           loss_divisor, loss_reduction, per_example_loss,
+                                           rate_ratio, refuse_for_fc_batch, refuse_optimizer,
                                            refuse_settings)
-from owt_tf.parallel.plan import AUTO, PlanError
-from owt_tf.parallel.step import replica_logits, replica_train_step
+from owt_tf.parallel.plan import AUTO, PlanError, StepRounds
+from owt_tf.parallel.schemes import round_weights
+from owt_tf.parallel.step import replica_logits, replica_train_step, shard_index
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
 
 class TrainingCallError(RuntimeError):
@@ -98,12 +101,6 @@ def _choose_scheme(hybrid: HybridStrategy, split: KerasSplit, name: str):
     return hybrid.choose_scheme(net, split.head.hidden, ("owt-a", "owt-b", "owt-c"), note)
 
 
-def _refuse_weights(sample_weight, class_weight) -> None:
-    if class_weight is not None or sample_weight is not None:
-        raise keras_data.DataError("class and sample weights are not supported by a "
-                                   "parallelized model")
-
-
 def _own_share(rows: tf.Tensor) -> tf.Tensor:
     """This replica's 1/K of rows that every replica holds (the gathered batch). Keras sums a
     metric's variables over replicas (they are ON_READ, SUM): fed the whole batch on every
@@ -111,6 +108,58 @@ def _own_share(rows: tf.Tensor) -> tf.Tensor:
     k, n = coll.replica_id(), coll.num_replicas()
     per = rows.shape[0] // n
     return rows[k * per:(k + 1) * per]
+
+
+class _Updates:
+    """How a step's gradients reach the optimizers. Unclipped: the trunk's through Keras'
+    `apply_gradients` (which all-reduces them), each shard's through its own clone, as the
+    step produces them. Clipped: the trunk's gradients summed first, then clipped whole, as
+    one device clips (GradientClip); under global_clipnorm every update waits for the one
+    norm over trunk and shards (`finish`)."""
+
+    def __init__(self, optimizer, trunk_vars, fc_optimizer: KerasShardOptimizer,
+                 clip: GradientClip):
+        self.optimizer, self.trunk_vars = optimizer, trunk_vars
+        self.fc_optimizer, self.clip = fc_optimizer, clip
+        self.waiting = clip.global_norm is not None
+        self.trunk_grads: List[tf.Tensor] = []
+        self.fc_grads: List[tf.Tensor] = []
+
+    def trunk(self, grads: List[tf.Tensor]) -> None:
+        if grads:
+            k = coll.num_replicas()
+            coll.record(coll.CONV_GRAD, "all_reduce",
+                        sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
+        if not self.clip.active:
+            return self._apply_trunk(grads, summed=False)
+        if grads:  # the collective Keras' apply_gradients would issue
+            grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        if self.waiting:
+            self.trunk_grads = grads
+        else:
+            self._apply_trunk(self.clip.trunk(grads), summed=True)
+
+    def fc(self, shard: int, grads: List[tf.Tensor]) -> None:
+        if self.waiting:
+            self.fc_grads = grads
+        else:
+            self.fc_optimizer.apply(shard, self.clip.fc(grads) if self.clip.active else grads)
+
+    def finish(self, shard: int) -> None:
+        """global_clipnorm: both updates, clipped by the one norm."""
+        if not self.waiting:
+            return
+        trunk, fc = self.clip.whole(self.trunk_grads, self.fc_grads)
+        self.fc_optimizer.apply(shard, fc)
+        self._apply_trunk(trunk, summed=True)
+
+    def _apply_trunk(self, grads: List[tf.Tensor], summed: bool) -> None:
+        if not grads:  # a frozen trunk: the step still counts (schedules, dropout seeds)
+            self.optimizer.iterations.assign_add(1)
+        elif summed:
+            apply_summed(self.optimizer, grads, self.trunk_vars)
+        else:
+            self.optimizer.apply_gradients(zip(grads, self.trunk_vars))
 
 
 class ParallelModel(keras.Model):
@@ -164,6 +213,9 @@ class ParallelModel(keras.Model):
             with self._hybrid.scope():
                 trunk_optimizer.build(self.trunk.trainable_variables)
         self.head.per_example_loss = per_example_loss(loss)
+        self._reduction = loss_reduction(loss)
+        self._clip = GradientClip(trunk_optimizer, fc_template)
+        refuse_for_fc_batch(self._hybrid.parallel_plan.fc_batch, self._reduction, self._clip)
         self._fc_optimizer = KerasShardOptimizer(fc_template, self.head, self._hybrid.placement.devices,
                                               trunk_optimizer, rate_ratio(optimizer, fc_optimizer),
                                               own_schedule=fc_optimizer is not None)
@@ -189,51 +241,64 @@ class ParallelModel(keras.Model):
 
     # -- steps (traced by Keras inside strategy.run) --------------------------------------
     def train_step(self, data):
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)  # fit refused sample weights
-        plan = self._hybrid.step_rounds(self._static_rows(x))
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        rows = self._static_rows(x)
+        plan = self._hybrid.step_rounds(rows)
         trunk_vars = self.trunk.trainable_variables
         step = tf.cast(self.optimizer.iterations, tf.int64) + self._step_offset
         step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64), step]), tf.int32)
-
-        def apply_trunk(grads):
-            if not grads:  # a frozen trunk: the step still counts (schedules, dropout seeds)
-                self.optimizer.iterations.assign_add(1)
-                return
-            k = coll.num_replicas()
-            coll.record(coll.CONV_GRAD, "all_reduce",
-                        sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
-            self.optimizer.apply_gradients(zip(grads, trunk_vars))
-
+        weights, metric_weights = self._loss_weights(plan, sample_weight, rows)
+        updates = _Updates(self.optimizer, trunk_vars, self._fc_optimizer, self._clip)
         step = replica_train_step(plan, self.head, self._hybrid.engine.trunk_forward(self.trunk, True),
-                                  trunk_vars, x, y, step_seed, apply_trunk,
-                                  self._fc_optimizer.apply)
+                                  trunk_vars, x, y, step_seed, updates.trunk, updates.fc,
+                                  row_weights=weights)
+        updates.finish(shard_index(plan))
         rounds = step.rounds
         loss = rounds.loss_sum / rounds.count
         if step.trunk_loss is not None:
             loss += step.trunk_loss
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=rounds.count)
-            return self.compute_metrics(x, _own_share(tf.concat(rounds.labels, 0)),
-                                        _own_share(tf.concat(rounds.outputs, 0)))
+            return self.compute_metrics(
+                x, _own_share(tf.concat(rounds.labels, 0)), _own_share(tf.concat(rounds.outputs, 0)),
+                None if metric_weights is None else _own_share(tf.concat(metric_weights, 0)))
+
+    def _loss_weights(self, plan: StepRounds, sample_weight, rows: int):
+        """Per round, each row's weight in the loss (its sample weight times what turns the
+        engine's mean into Keras' reduction), and the sample weights themselves for Keras'
+        weighted metrics; (None, None) when every weight is 1."""
+        if sample_weight is None and self._reduction in MEAN_REDUCTIONS:
+            return None, None
+        local = (tf.ones([rows]) if sample_weight is None
+                 else tf.reshape(tf.cast(sample_weight, tf.float32), [rows]))
+        raw = round_weights(plan, local)
+        total = rows * plan.num_replicas
+        # The rounds together hold every row of the global batch once.
+        divisor = loss_divisor(self._reduction, total, tf.add_n([tf.reduce_sum(w) for w in raw]))
+        scale = tf.math.divide_no_nan(tf.constant(float(total)), divisor)
+        return [w * scale for w in raw], None if sample_weight is None else raw
 
     def test_step(self, data):
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
+        weight, valid = weight if isinstance(weight, tuple) else (None, weight)
         logits = replica_logits(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
-        labels = coll.gather_labels(y)
-        weight = tf.ones([tf.shape(logits)[0]]) if weight is None else coll.gather_labels(weight)
+        labels, valid = coll.gather_labels(y), coll.gather_labels(valid)
+        weight = valid if weight is None else coll.gather_labels(weight) * valid
         outputs = self.head.outputs(logits)
         per_example = tf.cast(self.head.per_example_loss(labels, outputs), tf.float32)
-        count = tf.reduce_sum(weight)
-        loss = tf.reduce_sum(per_example * weight) / tf.maximum(count, 1.0)
+        count = tf.reduce_sum(valid)
+        loss = tf.math.divide_no_nan(tf.reduce_sum(per_example * weight),
+                                     loss_divisor(self._reduction, count, tf.reduce_sum(weight)))
         if self.trunk.losses:
             loss += tf.add_n(self.trunk.losses)
-        # Keras' `metrics` ignore sample weights (only `weighted_metrics` use them): drop the
-        # padding rows instead.
-        labels, outputs, real = (_own_share(t) for t in (labels, outputs, weight > 0))
+        # Keras' `metrics` ignore sample weights (only `weighted_metrics` use them): the
+        # padding rows are dropped instead.
+        labels, outputs, weight, real = (_own_share(t) for t in (labels, outputs, weight, valid > 0))
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=count)
             return self.compute_metrics(x, tf.boolean_mask(labels, real),
-                                        tf.boolean_mask(outputs, real))
+                                        tf.boolean_mask(outputs, real),
+                                        tf.boolean_mask(weight, real))
 
     def predict_step(self, data):
         x, valid = (data[0], data[1]) if isinstance(data, (tuple, list)) and len(data) > 1 else (
@@ -278,13 +343,13 @@ class ParallelModel(keras.Model):
     def fit(self, x=None, y=None, batch_size=None, epochs=1, *, validation_data=None,
             validation_split=0.0, shuffle=True, class_weight=None, sample_weight=None,
             validation_batch_size=None, **kwargs):
-        """Keras' fit. Arrays or a tf.data.Dataset of (x, y); a last partial global batch is
-        dropped (every replica needs the same number of rows)."""
-        if validation_split:
-            raise keras_data.DataError("validation_split is not supported: pass validation_data")
-        _refuse_weights(sample_weight, class_weight)
-        train, per_replica = keras_data.training_batches(x, y, batch_size, shuffle,
-                                                         self._hybrid.num_replicas)
+        """Keras' fit. Arrays or a tf.data.Dataset of (x, y) or (x, y, sample_weight); a last
+        partial global batch is dropped (every replica needs the same number of rows)."""
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = keras_data.validation_split_of(
+                x, y, sample_weight, validation_split)
+        train, per_replica = keras_data.training_batches(
+            x, y, batch_size, shuffle, self._hybrid.num_replicas, sample_weight, class_weight)
         self._hybrid.step_rounds(per_replica)  # refuses a batch the scheme cannot split
         self._fresh_function("train_function", train)
         if validation_data is not None:
@@ -293,14 +358,12 @@ class ParallelModel(keras.Model):
         return super().fit(train, epochs=epochs, validation_data=validation_data,
                            shuffle=False, **kwargs)
 
-    def evaluate(self, x=None, y=None, batch_size=None, **kwargs):
-        """Keras' evaluate over every row (the last batch padded with rows of weight 0)."""
-        if kwargs.get("sample_weight") is not None:
-            raise keras_data.DataError("sample weights are not supported by a parallelized model")
-        kwargs.pop("sample_weight", None)
+    def evaluate(self, x=None, y=None, batch_size=None, sample_weight=None, **kwargs):
+        """Keras' evaluate over every row (the last batch padded with rows marked invalid)."""
         if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: already padded
             return super().evaluate(x, y, **kwargs)
-        data = keras_data.padded_batches(x, y, batch_size, self._hybrid.num_replicas, True)
+        data = keras_data.padded_batches(x, y, batch_size, self._hybrid.num_replicas, True,
+                                         sample_weight)
         self._fresh_function("test_function", data)
         return super().evaluate(data, **kwargs)
 
@@ -314,15 +377,15 @@ class ParallelModel(keras.Model):
                        return_dict=False):
         """Keras' train_on_batch: one step on the global batch (x, y), each replica taking
         its own rows (Keras' own would hand every replica the whole batch)."""
-        _refuse_weights(sample_weight, class_weight)
-        data, _ = keras_data.training_batches(x, y, len(x), False, self._hybrid.num_replicas)
+        data, _ = keras_data.training_batches(x, y, len(x), False, self._hybrid.num_replicas,
+                                              sample_weight, class_weight)
         self._hybrid.step_rounds(len(x) // self._hybrid.num_replicas)
         return self._one_batch("train_function", self.make_train_function, data, return_dict)
 
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
         """Keras' test_on_batch over every row of (x, y), each replica taking its own rows."""
-        _refuse_weights(sample_weight, None)
-        data = keras_data.padded_batches(x, y, len(x), self._hybrid.num_replicas, True)
+        data = keras_data.padded_batches(x, y, len(x), self._hybrid.num_replicas, True,
+                                         sample_weight)
         return self._one_batch("test_function", self.make_test_function, data, return_dict)
 
     def predict_on_batch(self, x):
@@ -357,10 +420,12 @@ class ParallelModel(keras.Model):
         if isinstance(data, tf.data.Dataset):
             return keras_data.padded_batches(data, None, batch_size, self._hybrid.num_replicas,
                                              True)
-        if isinstance(data, (tuple, list)) and len(data) == 2:
+        if isinstance(data, (tuple, list)) and len(data) in (2, 3):
             return keras_data.padded_batches(data[0], data[1], batch_size,
-                                             self._hybrid.num_replicas, True)
-        raise keras_data.DataError("validation_data must be (x, y) or a tf.data.Dataset")
+                                             self._hybrid.num_replicas, True,
+                                             data[2] if len(data) == 3 else None)
+        raise keras_data.DataError("validation_data must be (x, y), (x, y, sample_weight) or "
+                                   "a tf.data.Dataset")
 
     # -- weights, saving, export -------------------------------------------------------------
     def fc_weights(self) -> List:

@@ -65,6 +65,16 @@ def exchange_rounds(plan: StepRounds, a_local: tf.Tensor, y_local: tf.Tensor,
     return inputs, round_labels, lambda grads: tape.gradient(inputs, a_local, output_gradients=grads)
 
 
+def round_weights(plan: StepRounds, weights_local: tf.Tensor) -> List[tf.Tensor]:
+    """Every round's row weights from this replica's own ([B]): all replicas' weights
+    gathered, then each round's rows picked as its labels are (tiny next to the
+    activations, so a collective of their own)."""
+    weights = coll.gather_labels(weights_local) if plan.model_parallel else weights_local
+    if plan.num_rounds == 1:
+        return [weights]
+    return [tf.gather(weights, plan.round_rows(r)) for r in range(plan.num_rounds)]
+
+
 def unscaled(grads: List[tf.Tensor], loss_scale: Optional[tf.Tensor]) -> List[tf.Tensor]:
     """Gradients of (loss x loss_scale) as gradients of the loss."""
     if loss_scale is None:
@@ -101,7 +111,8 @@ class _Forward:
 
 def _forward(plan: StepRounds, head: ShardedHead, rounds: Sequence[int], inputs: List[tf.Tensor],
              labels: List[tf.Tensor], shard: int, training: bool, seed: Optional[tf.Tensor],
-             defer: bool, loss_scale: Optional[tf.Tensor]) -> _Forward:
+             defer: bool, loss_scale: Optional[tf.Tensor],
+             weights: Optional[Sequence[tf.Tensor]] = None) -> _Forward:
     seeds = [None if seed is None else tf.random.experimental.stateless_fold_in(seed, r) for r in rounds]
     # Model parallel: each of the K replicas holds a copy of the same loss, and the
     # exchange's gradient sums the copies. Data parallel: own rows / (B*K), and the
@@ -115,6 +126,8 @@ def _forward(plan: StepRounds, head: ShardedHead, rounds: Sequence[int], inputs:
         with coll.deferred_backward(tape) if defer else contextlib.nullcontext([]) as cuts:
             logits = head.forward_rounds(inputs, shard, training, seeds, rounds)
             terms = head.loss_terms_rounds(logits, labels, shard, rounds)
+        if weights is not None:  # Keras' weighted reduction: sum(loss x weight) / rows
+            terms = [(ce * w, right, out) for (ce, right, out), w in zip(terms, weights)]
         losses = [tf.reduce_mean(ce) * loss_weight for ce, _, _ in terms]
     return _Forward(tape, inputs, losses, terms, cuts)
 
@@ -160,7 +173,8 @@ def _cut_groups(cuts: Sequence[coll.Cut]) -> List[List[int]]:
 def run_fc_rounds(plan: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
                   shard: int, training: bool, seed: Optional[tf.Tensor],
                   apply_fc_update: FcUpdate,
-                  loss_scale: Optional[tf.Tensor] = None) -> RoundsResult:
+                  loss_scale: Optional[tf.Tensor] = None,
+                  weights: Optional[List[tf.Tensor]] = None) -> RoundsResult:
     """Runs the FC layers over the step's rounds; returns the activation gradient.
 
     With a `loss_scale` (fp16) every gradient is taken of the loss times it: the activation
@@ -174,6 +188,9 @@ def run_fc_rounds(plan: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_loc
     and backward (_deferred_backward): K times fewer launches than round after round, the
     same bytes and the same numbers. With fc_batch='worker', round r+1 needs round r's
     update, so the rounds run one after the other.
+
+    `weights`: per round, a weight for each of its rows (round_weights); each per-example
+    loss is multiplied by its row's weight before the mean (and in `loss_sum`).
     """
     inputs, labels, exchange_backward = exchange_rounds(plan, a_local, y_local, head.spec.num_classes)
     shard_vars = head.shard_variables(shard)
@@ -183,7 +200,7 @@ def run_fc_rounds(plan: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_loc
         input_grads = []
         for r in range(plan.num_rounds):
             fwd = _forward(plan, head, [r], [inputs[r]], [labels[r]], shard, training, seed, False,
-                           loss_scale)
+                           loss_scale, None if weights is None else [weights[r]])
             grads = fwd.tape.gradient(fwd.losses[0], [inputs[r]] + shard_vars)
             update = unscaled(grads[1:], loss_scale)
             apply_fc_update(update)
@@ -193,7 +210,7 @@ def run_fc_rounds(plan: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_loc
         terms = [t for fwd in forwards for t in fwd.terms]
     else:
         fwd = _forward(plan, head, range(plan.num_rounds), inputs, labels, shard, training, seed, True,
-                       loss_scale)
+                       loss_scale, weights)
         grads = _deferred_backward(fwd, shard_vars)
         input_grads = [g / plan.num_rounds for g in grads[:plan.num_rounds]]
         averaged = unscaled([g / plan.num_rounds for g in grads[plan.num_rounds:]], loss_scale)

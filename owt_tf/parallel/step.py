@@ -46,15 +46,18 @@ def shard_index(plan: StepRounds) -> int:
 def replica_train_step(plan: StepRounds, head: ShardedHead, trunk_forward: TrunkForward,
                        trunk_variables: Sequence[tf.Variable], images: tf.Tensor,
                        labels: tf.Tensor, seed: Optional[tf.Tensor], apply_trunk: ApplyTrunk,
-                       apply_fc: ApplyFc, loss_scale: Optional[tf.Tensor] = None) -> ReplicaStep:
+                       apply_fc: ApplyFc, loss_scale: Optional[tf.Tensor] = None,
+                       row_weights: Optional[List[tf.Tensor]] = None) -> ReplicaStep:
     """One optimizer step of this replica (call inside strategy.run). With a `loss_scale`
-    (fp16), gradients are taken of the loss times it and unscaled before they are applied."""
+    (fp16), gradients are taken of the loss times it and unscaled before they are applied.
+    `row_weights` (per round, schemes.round_weights): each example's loss is multiplied by
+    its row's weight."""
     shard = shard_index(plan)
     with tf.GradientTape() as trunk_tape:
         activations, trunk_loss = trunk_forward(images)
         activations = tf.cast(activations, head.compute_dtype)  # what the exchange sends
     rounds = run_fc_rounds(plan, head, activations, labels, shard, True, seed,
-                           lambda grads: apply_fc(shard, grads), loss_scale)
+                           lambda grads: apply_fc(shard, grads), loss_scale, row_weights)
     targets, output_grads = [activations], [rounds.activation_grad]
     if trunk_loss is not None:
         # Every replica adds its copy and the trunk optimizer sums the K gradients: each
