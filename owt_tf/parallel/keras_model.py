@@ -40,6 +40,7 @@ from owt_tf.parallel import head_state, keras_data
 from owt_tf.parallel.keras_compile import (CompileError, KerasShardOptimizer,  # noqa: F401
                                            per_example_loss, rate_ratio, refuse_optimizer,
                                            refuse_settings)
+from owt_tf.parallel.keras_view import HeadViewMixin
 from owt_tf.parallel.plan import AUTO, PlanError
 from owt_tf.parallel.step import replica_logits, replica_train_step
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
@@ -113,9 +114,10 @@ def _own_share(rows: tf.Tensor) -> tf.Tensor:
     return rows[k * per:(k + 1) * per]
 
 
-class ParallelModel(keras.Model):
+class ParallelModel(HeadViewMixin, keras.Model):
     """A Keras model whose trunk is data parallel and whose Dense head is sharded (see the
-    module docstring). Build it with `owt_tf.parallelize`."""
+    module docstring). Build it with `owt_tf.parallelize`. What summary, get_layer,
+    count_params and TensorBoard see of the head: owt_tf.parallel.keras_view."""
 
     def __init__(self, hybrid: HybridStrategy, split: KerasSplit, source: dict, seed: int):
         super().__init__(name=f"{split.trunk.name.removesuffix('_trunk')}_parallel")
