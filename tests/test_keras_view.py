@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import Tuple
 
 import h5py
 import keras
@@ -95,16 +96,18 @@ def test_get_layer_gives_whole_weights_after_a_fit_step(devices):
         parallel.get_layer("nope")
 
 
-def _histograms(logdir: str) -> dict:
-    """{tag: number of values in the histogram} of the event files under logdir/train."""
-    counts = {}
+def _summaries(logdir: str) -> Tuple[dict, set]:
+    """({histogram tag: (number of values, lowest, highest)}, every tag) of the event files
+    under logdir/train."""
+    counts, tags = {}, set()
     for path in glob.glob(os.path.join(logdir, "train", "events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
+                tags.add(value.tag)
                 if value.tag.endswith("/histogram"):
                     buckets = tf.make_ndarray(value.tensor)
-                    counts[value.tag] = int(round(buckets[:, 2].sum()))
-    return counts
+                    counts[value.tag] = (int(round(buckets[:, 2].sum())), buckets[0, 0], buckets[-1, 1])
+    return counts, tags
 
 
 def test_tensorboard_writes_a_histogram_of_every_head_weight(devices, tmp_path):
@@ -113,12 +116,17 @@ def test_tensorboard_writes_a_histogram_of_every_head_weight(devices, tmp_path):
     parallel = _parallel(copy_of(plain), devices)
     logs = str(tmp_path / "logs")
     parallel.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
-                 callbacks=[keras.callbacks.TensorBoard(logs, histogram_freq=1)])
-    counts = _histograms(logs)
+                 callbacks=[keras.callbacks.TensorBoard(logs, histogram_freq=1,
+                                                          write_images=True)])
+    counts, tags = _summaries(logs)
+    trained = parallel.to_keras_model()  # the epoch's end, when the histograms are written
     for name in DENSE + ("conv1",):
-        kernel, bias = plain.get_layer(name).get_weights()
-        assert counts.get(f"{name}/kernel/histogram") == kernel.size, (name, counts)
-        assert counts.get(f"{name}/bias/histogram") == bias.size, (name, counts)
+        for part, value in zip(("kernel", "bias"), trained.get_layer(name).get_weights()):
+            count, lowest, highest = counts[f"{name}/{part}/histogram"]
+            assert count == value.size, (name, part, count)
+            np.testing.assert_allclose([lowest, highest], [value.min(), value.max()], rtol=1e-6)
+    for name in DENSE:  # Keras draws 1-d and 2-d weights (a conv kernel only in some shapes)
+        assert {f"{name}/kernel/image", f"{name}/bias/image"} <= tags, (name, tags)
 
 
 def test_keras_optimizer_and_weight_files_never_see_the_shards(devices, tmp_path):

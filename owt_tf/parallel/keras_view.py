@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import keras
 import numpy as np
@@ -74,7 +74,7 @@ class WholeWeight:
         value = self.numpy()
         return value if dtype is None else value.astype(dtype)
 
-    def assign(self, value):
+    def assign(self, value) -> None:
         raise ReadOnlyView(_READ_ONLY.format(what=f"weight {self.path}"))
 
     assign_add = assign_sub = assign
@@ -192,7 +192,7 @@ class HeadViewMixin:
         files are laid out by this list; `own_layers()` lists the trunk's layers."""
         return [self.trunk] + self._views().dense
 
-    def own_layers(self) -> list:
+    def own_layers(self) -> List[Union[keras.layers.Layer, DenseView]]:
         """The user's layers: the trunk's, then each head Dense (a DenseView). A Dropout or
         Activation layer of the head is not listed (it holds no weights)."""
         views = self._views()
@@ -200,7 +200,8 @@ class HeadViewMixin:
                  if not (views.drop_input_layer and isinstance(layer, keras.layers.InputLayer))]
         return trunk + views.dense
 
-    def get_layer(self, name: Optional[str] = None, index: Optional[int] = None):
+    def get_layer(self, name: Optional[str] = None,
+                  index: Optional[int] = None) -> Union[keras.layers.Layer, DenseView]:
         """Keras' get_layer over `own_layers()` (and the trunk, by its name)."""
         if index is not None and name is not None:
             raise ValueError(f"Provide only a layer name or a layer index. Received: "
@@ -223,8 +224,11 @@ class HeadViewMixin:
         """Every weight, the head's whole (padding not counted): the plain model's count."""
         return self.trunk.count_params() + sum(v.count_params() for v in self._views().dense)
 
-    def summary(self, line_length=None, positions=None, print_fn=None, expand_nested=False,
-                show_trainable=False, layer_range=None) -> None:
+    def summary(self, line_length: Optional[int] = None,
+                positions: Optional[Sequence[float]] = None,
+                print_fn: Optional[Callable[..., None]] = None, expand_nested: bool = False,
+                show_trainable: bool = False,
+                layer_range: Optional[Sequence[str]] = None) -> None:
         """Keras' summary of the user's layers (`own_layers()`), head weights whole; the
         optimizer's parameters include the FC optimizer's slots, whole."""
         summary_utils.print_summary(self._summary_model(), line_length=line_length,
