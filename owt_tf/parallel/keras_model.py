@@ -42,6 +42,7 @@ from owt_tf.parallel.keras_compile import (MEAN_REDUCTIONS, CompileError,  # noq
                                            loss_divisor, loss_reduction, per_example_loss,
                                            rate_ratio, refuse_for_fc_batch, refuse_optimizer,
                                            refuse_settings)
+from owt_tf.parallel.keras_view import HeadViewMixin
 from owt_tf.parallel.plan import AUTO, PlanError, StepRounds
 from owt_tf.parallel.schemes import round_weights
 from owt_tf.parallel.step import replica_logits, replica_train_step, shard_index
@@ -162,9 +163,10 @@ class _Updates:
             self.optimizer.apply_gradients(zip(grads, self.trunk_vars))
 
 
-class ParallelModel(keras.Model):
+class ParallelModel(HeadViewMixin, keras.Model):
     """A Keras model whose trunk is data parallel and whose Dense head is sharded (see the
-    module docstring). Build it with `owt_tf.parallelize`."""
+    module docstring). Build it with `owt_tf.parallelize`. What summary, get_layer,
+    count_params and TensorBoard see of the head: owt_tf.parallel.keras_view."""
 
     def __init__(self, hybrid: HybridStrategy, split: KerasSplit, source: dict, seed: int):
         super().__init__(name=f"{split.trunk.name.removesuffix('_trunk')}_parallel")
