@@ -187,17 +187,19 @@ def _check_chain_is_private(model: keras.Model, chain: List, features) -> None:
 
 
 def _check_no_float16(model: keras.Model) -> None:
-    """float16 compute needs a loss scale, which only the CLI's --precision fp16 applies."""
+    """float16 compute needs a loss scale: the Keras path takes Keras' LossScaleOptimizer,
+    the CLI applies its own to registry models (--precision fp16) only."""
     for layer in model.layers:
         if layer.dtype_policy.compute_dtype == "float16":
             raise UnsupportedModel(
                 f"layer {layer.name}: dtype policy {layer.dtype_policy.name} is not supported "
-                "(float16 needs a loss scale, which owt_tf applies only to a registry model "
-                "trained with --precision fp16); use mixed_bfloat16")
+                "by the CLI (float16 needs a loss scale: train it with owt_tf.parallelize and "
+                "Keras' fit, or use mixed_bfloat16)")
 
 
-def split_keras_model(model: keras.Model) -> KerasSplit:
-    """The trunk (a functional model over the original layers) and the head of `model`."""
+def split_keras_model(model: keras.Model, allow_float16: bool = False) -> KerasSplit:
+    """The trunk (a functional model over the original layers) and the head of `model`.
+    `allow_float16`: the caller applies a loss scale (Keras' LossScaleOptimizer)."""
     if not isinstance(model, keras.Model):
         raise UnsupportedModel(f"expected a keras.Model, got {type(model).__name__}")
     try:
@@ -223,7 +225,8 @@ def split_keras_model(model: keras.Model) -> KerasSplit:
                                "the first Dense of the head needs a rank-2 input (put Flatten "
                                "or GlobalAveragePooling2D before it)")
     _check_chain_is_private(model, chain, features)
-    _check_no_float16(model)
+    if not allow_float16:
+        _check_no_float16(model)
     spec, names = _head_spec(chain)
     dense = [layer for layer in chain if isinstance(layer, keras.layers.Dense)]
     weights = [(np.asarray(d.kernel.numpy()), np.asarray(d.bias.numpy())) for d in dense]

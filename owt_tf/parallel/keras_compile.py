@@ -295,11 +295,17 @@ def apply_summed(optimizer: keras.optimizers.Optimizer, grads: List[tf.Tensor],
             optimizer.__dict__.pop(name, None)
 
 
-def refuse_for_fc_batch(fc_batch: str, reduction: str, clip: GradientClip) -> None:
+def refuse_for_fc_batch(fc_batch: str, reduction: str, clip: GradientClip,
+                        loss_scaled: bool) -> None:
     """With fc_batch='worker' the FC layers take K updates a step, each on one round's rows:
-    a reduction or a norm over the whole batch has no one-device counterpart."""
+    a reduction or a norm over the whole batch has no one-device counterpart, and a step
+    cannot be skipped whole once its first rounds have updated the FC layers."""
     if fc_batch != "worker":
         return
+    if loss_scaled:
+        raise CompileError("a LossScaleOptimizer (mixed_float16) with fc_batch='worker': an "
+                           "overflow must skip the whole step, and the rounds before it have "
+                           "updated the FC layers already (use fc_batch='global')")
     if reduction not in MEAN_REDUCTIONS:
         raise CompileError(f"loss reduction {reduction!r} with fc_batch='worker': each FC "
                            "update is a mean over its round's rows (use fc_batch='global')")
@@ -349,7 +355,8 @@ def refuse_optimizer(opt, current=None) -> None:
     """CompileError for an optimizer the shards cannot follow; `current`: the model's own
     (passed again at a recompile)."""
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
-        raise CompileError("LossScaleOptimizer is not supported (float32 only)")
+        raise CompileError("fc_optimizer: pass the optimizer itself; the loss scale is the "
+                           "trunk optimizer's, one for trunk and shards")
     for attr, why in (("use_ema", "EMA weights are not kept for shards"),
                       ("gradient_accumulation_steps", "accumulation is not supported")):
         if getattr(opt, attr, None):

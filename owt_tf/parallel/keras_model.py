@@ -62,7 +62,7 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
         raise ValueError("owt_tf.parallelize needs a HybridStrategy: call it inside "
                          "`with strategy.scope():` or pass strategy=")
     # Outside the scope: the split works on a throwaway clone, which needs no mirrored copy.
-    split = outside_strategy_scope(lambda: split_keras_model(model))
+    split = outside_strategy_scope(lambda: split_keras_model(model, allow_float16=True))
     if hybrid.scheme == AUTO:
         print(_choose_scheme(hybrid, split, model.name).line, flush=True)
     if not hybrid.model_parallel:
@@ -112,17 +112,22 @@ def _own_share(rows: tf.Tensor) -> tf.Tensor:
 
 
 class _Updates:
-    """How a step's gradients reach the optimizers. Unclipped: the trunk's through Keras'
-    `apply_gradients` (which all-reduces them), each shard's through its own clone, as the
-    step produces them. Clipped: the trunk's gradients summed first, then clipped whole, as
-    one device clips (GradientClip); under global_clipnorm every update waits for the one
-    norm over trunk and shards (`finish`)."""
+    """How a step's gradients reach the optimizers.
+
+    Plain: the trunk's through Keras' `apply_gradients` (which all-reduces them), each
+    shard's through its own clone, as the step produces them. Clipped or loss-scaled: the
+    trunk's gradients are summed here, then clipped whole, as one device clips
+    (GradientClip). Under global_clipnorm or a LossScaleOptimizer every update waits for the
+    whole step (`finish`): the one norm over trunk and shards, or the one verdict on whether
+    every gradient of every device is finite; an overflow skips the step on every device and
+    halves the scale, as Keras' LossScaleOptimizer does on one device."""
 
     def __init__(self, optimizer, trunk_vars, fc_optimizer: KerasShardOptimizer,
-                 clip: GradientClip):
+                 clip: GradientClip, loss_scaler=None):
         self.optimizer, self.trunk_vars = optimizer, trunk_vars
-        self.fc_optimizer, self.clip = fc_optimizer, clip
-        self.waiting = clip.global_norm is not None
+        self.fc_optimizer, self.clip, self.loss_scaler = fc_optimizer, clip, loss_scaler
+        self.summed = clip.active or loss_scaler is not None
+        self.waiting = clip.global_norm is not None or loss_scaler is not None
         self.trunk_grads: List[tf.Tensor] = []
         self.fc_grads: List[tf.Tensor] = []
 
@@ -131,7 +136,7 @@ class _Updates:
             k = coll.num_replicas()
             coll.record(coll.CONV_GRAD, "all_reduce",
                         sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
-        if not self.clip.active:
+        if not self.summed:
             return self._apply_trunk(grads, summed=False)
         if grads:  # the collective Keras' apply_gradients would issue
             grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
@@ -147,10 +152,43 @@ class _Updates:
             self.fc_optimizer.apply(shard, self.clip.fc(grads) if self.clip.active else grads)
 
     def finish(self, shard: int) -> None:
-        """global_clipnorm: both updates, clipped by the one norm."""
+        """The waiting updates: clipped by the one norm; skipped everywhere on an overflow."""
         if not self.waiting:
             return
-        trunk, fc = self.clip.whole(self.trunk_grads, self.fc_grads)
+        if self.clip.global_norm is not None:
+            trunk, fc = self.clip.whole(self.trunk_grads, self.fc_grads)
+        else:
+            trunk, fc = self.clip.trunk(self.trunk_grads), self.clip.fc(self.fc_grads)
+        if self.loss_scaler is None:
+            return self._apply(shard, trunk, fc)
+        finite = _finite_everywhere(self.trunk_grads + self.fc_grads)
+        # As Keras' LossScaleOptimizer does: the cond in cross-replica context, since its
+        # branch calls the trunk optimizer, which calls merge_call.
+        tf.distribute.get_replica_context().merge_call(self._apply_if_finite,
+                                                       args=(finite, trunk, fc))
+
+    def _apply_if_finite(self, distribution, finite, trunk, fc) -> None:
+        finite = distribution.experimental_local_results(finite)[0]  # the same everywhere
+
+        def apply_everywhere():
+            distribution.extended.call_for_each_replica(self._apply_scaled_step, args=(trunk, fc))
+
+        tf.cond(finite, apply_everywhere, self.loss_scaler._stateful_handle_non_finite_grads)
+
+    def _apply_scaled_step(self, trunk: List[tf.Tensor], fc: List[tf.Tensor]) -> None:
+        self._apply(coll.replica_id(), trunk, fc)
+        scaler = self.loss_scaler  # Keras' rule: the scale doubles after N finite steps
+
+        def upscale():
+            scaler.step_counter.assign(0)
+            scaler.dynamic_scale.assign(scaler.dynamic_scale * 2.0)
+
+        def count():
+            scaler.step_counter.assign_add(1)
+
+        tf.cond(tf.equal(scaler.step_counter, scaler.dynamic_growth_steps - 1), upscale, count)
+
+    def _apply(self, shard: int, trunk: List[tf.Tensor], fc: List[tf.Tensor]) -> None:
         self.fc_optimizer.apply(shard, fc)
         self._apply_trunk(trunk, summed=True)
 
@@ -163,13 +201,30 @@ class _Updates:
             self.optimizer.apply_gradients(zip(grads, self.trunk_vars))
 
 
+def _finite_everywhere(grads: List[tf.Tensor]) -> tf.Tensor:
+    """True on every replica iff every replica's `grads` are finite (the shards' differ)."""
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+    bad = coll.all_reduce_sum(tf.cast(tf.logical_not(finite), tf.float32), coll.FC_GRAD)
+    return tf.equal(bad, 0.0)
+
+
+def _inner(optimizer):
+    """The optimizer a LossScaleOptimizer wraps (itself for any other)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
 class ParallelModel(HeadViewMixin, keras.Model):
     """A Keras model whose trunk is data parallel and whose Dense head is sharded (see the
     module docstring). Build it with `owt_tf.parallelize`. What summary, get_layer,
     count_params and TensorBoard see of the head: owt_tf.parallel.keras_view."""
 
     def __init__(self, hybrid: HybridStrategy, split: KerasSplit, source: dict, seed: int):
-        super().__init__(name=f"{split.trunk.name.removesuffix('_trunk')}_parallel")
+        # A float16 head: the model's policy is mixed_float16, so that Keras' compile adds its
+        # LossScaleOptimizer, as for the user's own model.
+        policy = "mixed_float16" if split.compute_dtype == "float16" else None
+        super().__init__(name=f"{split.trunk.name.removesuffix('_trunk')}_parallel", dtype=policy)
         self._hybrid = hybrid
         self._source_json = json.dumps(source)
         self._dense_names = list(split.dense_names)
@@ -198,32 +253,39 @@ class ParallelModel(HeadViewMixin, keras.Model):
                         kwargs)
         with self._hybrid.scope():
             optimizer = keras.optimizers.get(optimizer)
-        fc_template = keras.optimizers.get(fc_optimizer) if fc_optimizer is not None else optimizer
-        for opt in (optimizer, fc_template):
-            refuse_optimizer(opt, getattr(self, "optimizer", None))
+        inner = _inner(optimizer)
+        fc_template = keras.optimizers.get(fc_optimizer) if fc_optimizer is not None else inner
+        for opt in (inner, fc_template):
+            refuse_optimizer(opt, _inner(getattr(self, "optimizer", None)))
         previous = getattr(self, "optimizer", None)
         if previous is not None and previous is not optimizer:
             # A recompile: the head's dropout masks go on from where the last optimizer's
             # steps left them instead of repeating the first run's sequence.
             self._step_offset += int(previous.iterations.numpy())
-        trunk_optimizer = self._in_scope(optimizer)
-        super().compile(optimizer=trunk_optimizer, loss=loss, metrics=metrics,
-                        steps_per_execution=1, run_eagerly=False, jit_compile=False, **kwargs)
-        # Built now, not at the first fit: load_weights then restores the trunk's optimizer
-        # state together with the shards' (Keras skips an unbuilt optimizer's state).
-        if not trunk_optimizer.built:
-            with self._hybrid.scope():
-                trunk_optimizer.build(self.trunk.trainable_variables)
+        optimizer = self._in_scope(optimizer)
+        with self._hybrid.scope():  # under mixed_float16 Keras wraps it in a LossScaleOptimizer
+            super().compile(optimizer=optimizer, loss=loss, metrics=metrics,
+                            steps_per_execution=1, run_eagerly=False, jit_compile=False, **kwargs)
+            # Built now, not at the first fit: load_weights then restores the trunk's
+            # optimizer state together with the shards' (Keras skips an unbuilt optimizer's).
+            if not self.optimizer.built:
+                self.optimizer.build(self.trunk.trainable_variables)
+        trunk_optimizer = _inner(self.optimizer)
         self.head.per_example_loss = per_example_loss(loss)
         self._reduction = loss_reduction(loss)
         self._clip = GradientClip(trunk_optimizer, fc_template)
-        refuse_for_fc_batch(self._hybrid.parallel_plan.fc_batch, self._reduction, self._clip)
+        refuse_for_fc_batch(self._hybrid.parallel_plan.fc_batch, self._reduction, self._clip,
+                            self._loss_scaler() is not None)
         self._fc_optimizer = KerasShardOptimizer(fc_template, self.head, self._hybrid.placement.devices,
-                                              trunk_optimizer, rate_ratio(optimizer, fc_optimizer),
+                                              trunk_optimizer, rate_ratio(trunk_optimizer, fc_optimizer),
                                               own_schedule=fc_optimizer is not None)
         if self._pending_fc_slots is not None:
             self._restore_fc_slots(self._pending_fc_slots)
             self._pending_fc_slots = None
+
+    def _loss_scaler(self) -> Optional[keras.optimizers.LossScaleOptimizer]:
+        opt = getattr(self, "optimizer", None)
+        return opt if isinstance(opt, keras.optimizers.LossScaleOptimizer) else None
 
     def _in_scope(self, optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
         """The user's own optimizer object (so that `model.optimizer is opt` and callbacks
@@ -232,6 +294,14 @@ class ParallelModel(HeadViewMixin, keras.Model):
         (`_distribution_strategy`); one made outside the scope breaks fit once it has slots
         ("Mixing different tf.distribute.Strategy objects"), so such an unused optimizer is
         initialised again, in place, from its own config inside the scope."""
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            inner = self._in_scope(optimizer.inner_optimizer)
+            if getattr(optimizer, "_distribution_strategy", None) is not self._hybrid.strategy:
+                with self._hybrid.scope():
+                    optimizer.__init__(inner, initial_scale=optimizer.initial_scale,
+                                       dynamic_growth_steps=optimizer.dynamic_growth_steps,
+                                       name=optimizer.name)
+            return optimizer
         if getattr(optimizer, "_distribution_strategy", None) is not self._hybrid.strategy:
             config = optimizer.get_config()
             if isinstance(config["learning_rate"], dict):  # a serialized schedule
@@ -250,10 +320,13 @@ class ParallelModel(HeadViewMixin, keras.Model):
         step = tf.cast(self.optimizer.iterations, tf.int64) + self._step_offset
         step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64), step]), tf.int32)
         weights, metric_weights = self._loss_weights(plan, sample_weight, rows)
-        updates = _Updates(self.optimizer, trunk_vars, self._fc_optimizer, self._clip)
+        scaler = self._loss_scaler()
+        updates = _Updates(_inner(self.optimizer), trunk_vars, self._fc_optimizer, self._clip,
+                           scaler)
         step = replica_train_step(plan, self.head, self._hybrid.engine.trunk_forward(self.trunk, True),
                                   trunk_vars, x, y, step_seed, updates.trunk, updates.fc,
-                                  row_weights=weights)
+                                  None if scaler is None else scaler.dynamic_scale.value,
+                                  weights)
         updates.finish(shard_index(plan))
         rounds = step.rounds
         loss = rounds.loss_sum / rounds.count
