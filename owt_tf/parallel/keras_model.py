@@ -41,7 +41,8 @@ from owt_tf.parallel.keras_compile import (CompileError, KerasShardOptimizer,  #
                                            per_example_loss, rate_ratio, refuse_optimizer,
                                            refuse_settings)
 from owt_tf.parallel.plan import AUTO, PlanError
-from owt_tf.parallel.step import replica_logits, replica_train_step
+from owt_tf.parallel.sharded_metrics import join_rounds, loss_on_shards, metric_inputs
+from owt_tf.parallel.step import replica_logit_shard, replica_train_step, whole_logits
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
 
 class TrainingCallError(RuntimeError):
@@ -113,6 +114,19 @@ def _own_share(rows: tf.Tensor) -> tf.Tensor:
     return rows[k * per:(k + 1) * per]
 
 
+# Above this many output floats, predict without top_k warns (2**27 floats: 512 MB).
+LARGE_OUTPUTS = 2 ** 27
+
+
+def _warn_if_large(data: tf.data.Dataset, classes: int) -> None:
+    batches = int(data.cardinality())
+    rows = tf.nest.flatten(data.element_spec)[0].shape[0]
+    if batches > 0 and rows is not None and batches * rows * classes > LARGE_OUTPUTS:
+        warnings.warn(f"predict returns {batches * rows} x {classes} outputs "
+                      f"({batches * rows * classes * 4 / 2**20:.0f} MB); predict(x, top_k=5) "
+                      "returns each row's top classes without gathering them", stacklevel=3)
+
+
 class ParallelModel(keras.Model):
     """A Keras model whose trunk is data parallel and whose Dense head is sharded (see the
     module docstring). Build it with `owt_tf.parallelize`."""
@@ -143,8 +157,7 @@ class ParallelModel(keras.Model):
         `optimizer`). Its learning rate relative to `optimizer`'s is kept through schedules
         and LearningRateScheduler: the paper's recipe is `optimizer=SGD(lr * K)`,
         `fc_optimizer=SGD(lr)` with fc_batch='worker'."""
-        refuse_settings(self._hybrid.parallel_plan.loss, steps_per_execution, run_eagerly, jit_compile, loss,
-                        kwargs)
+        refuse_settings(steps_per_execution, run_eagerly, jit_compile, loss, kwargs)
         with self._hybrid.scope():
             optimizer = keras.optimizers.get(optimizer)
         fc_template = keras.optimizers.get(fc_optimizer) if fc_optimizer is not None else optimizer
@@ -164,12 +177,30 @@ class ParallelModel(keras.Model):
             with self._hybrid.scope():
                 trunk_optimizer.build(self.trunk.trainable_variables)
         self.head.per_example_loss = per_example_loss(loss)
+        self._place_loss(loss, metrics, kwargs.get("weighted_metrics"))
         self._fc_optimizer = KerasShardOptimizer(fc_template, self.head, self._hybrid.placement.devices,
                                               trunk_optimizer, rate_ratio(optimizer, fc_optimizer),
                                               own_schedule=fc_optimizer is not None)
         if self._pending_fc_slots is not None:
             self._restore_fc_slots(self._pending_fc_slots)
             self._pending_fc_slots = None
+
+    def _place_loss(self, loss, metrics, weighted_metrics) -> None:
+        """The loss and metrics computed on the shards, never gathering the logits, whenever
+        that is exact (owt_tf.parallel.sharded_metrics); HybridStrategy(loss='sharded')
+        insists on it, unless the planner chose it (scheme='auto': the compiled loss was not
+        known then)."""
+        spec = self.head.spec
+        on_shards, k, why = loss_on_shards(loss, metrics, weighted_metrics,
+                                           spec.output_activation, spec.num_classes)
+        if on_shards is None and self._hybrid.parallel_plan.loss == "sharded":
+            if self._hybrid.auto_choice is None:
+                raise CompileError(f"HybridStrategy(loss='sharded'): {why}, so the loss cannot "
+                                   "be computed on the shards; use loss='gathered'")
+            warnings.warn(f"owt_tf: scheme 'auto' chose the sharded loss, but {why}: the logits "
+                          "are gathered", stacklevel=3)
+        self.head.loss_mode = "gathered" if on_shards is None else "sharded"
+        self.head.sharded_loss, self.head.candidates_k = on_shards, k
 
     def _in_scope(self, optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
         """The user's own optimizer object (so that `model.optimizer is opt` and callbacks
@@ -213,36 +244,45 @@ class ParallelModel(keras.Model):
             loss += step.trunk_loss
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=rounds.count)
-            return self.compute_metrics(x, _own_share(tf.concat(rounds.labels, 0)),
-                                        _own_share(tf.concat(rounds.outputs, 0)))
+            labels = _own_share(tf.concat(rounds.labels, 0))
+            outputs = tf.nest.map_structure(_own_share, join_rounds(rounds.outputs))
+            return self.compute_metrics(x, *metric_inputs(labels, outputs))
 
     def test_step(self, data):
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
-        logits = replica_logits(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
+        logits = replica_logit_shard(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
         labels = coll.gather_labels(y)
         weight = tf.ones([tf.shape(logits)[0]]) if weight is None else coll.gather_labels(weight)
-        outputs = self.head.outputs(logits)
-        per_example = tf.cast(self.head.per_example_loss(labels, outputs), tf.float32)
+        # outputs: whole rows, or under the sharded loss each shard's top candidates
+        per_example, _, outputs = self.head.loss_terms(logits, labels, coll.replica_id())
+        per_example = tf.cast(per_example, tf.float32)
         count = tf.reduce_sum(weight)
         loss = tf.reduce_sum(per_example * weight) / tf.maximum(count, 1.0)
         if self.trunk.losses:
             loss += tf.add_n(self.trunk.losses)
         # Keras' `metrics` ignore sample weights (only `weighted_metrics` use them): drop the
         # padding rows instead.
-        labels, outputs, real = (_own_share(t) for t in (labels, outputs, weight > 0))
+        labels, outputs, real = tf.nest.map_structure(_own_share, (labels, outputs, weight > 0))
+        labels, outputs = tf.nest.map_structure(lambda t: tf.boolean_mask(t, real), (labels, outputs))
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=count)
-            return self.compute_metrics(x, tf.boolean_mask(labels, real),
-                                        tf.boolean_mask(outputs, real))
+            return self.compute_metrics(x, *metric_inputs(labels, outputs))
 
     def predict_step(self, data):
         x, valid = (data[0], data[1]) if isinstance(data, (tuple, list)) and len(data) > 1 else (
             data[0] if isinstance(data, (tuple, list)) else data, None)
-        logits = replica_logits(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
+        logits = replica_logit_shard(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
         rows = self._static_rows(x)
         k = coll.replica_id()
-        outputs = self.head.outputs(logits[k * rows:(k + 1) * rows])
-        return outputs if valid is None else tf.boolean_mask(outputs, valid > 0)
+        top_k = getattr(self, "_predict_top_k", None)
+        if top_k:  # (scores, class ids) from each shard's candidates: no [rows, classes] gather
+            outputs = tuple(self.head.top_k_outputs(logits, k, top_k))
+        else:
+            outputs = self.head.outputs(whole_logits(self.head, logits))
+        outputs = tf.nest.map_structure(lambda t: t[k * rows:(k + 1) * rows], outputs)
+        if valid is None:
+            return outputs
+        return tf.nest.map_structure(lambda t: tf.boolean_mask(t, valid > 0), outputs)
 
     def call(self, inputs, training=False):
         """One-device forward pass in inference mode (every shard joined): Keras' symbolic
@@ -304,11 +344,26 @@ class ParallelModel(keras.Model):
         self._fresh_function("test_function", data)
         return super().evaluate(data, **kwargs)
 
-    def predict(self, x, batch_size=None, **kwargs):
-        """Keras' predict; every row, in order (the last batch padded, the padding dropped)."""
+    def predict(self, x, batch_size=None, *, top_k: Optional[int] = None, **kwargs):
+        """Keras' predict; every row, in order (the last batch padded, the padding dropped).
+        `top_k`: (scores, class ids), each [rows, top_k], best first: the model's outputs for
+        each row's top_k classes, found from each shard's own candidates without gathering
+        the [rows, classes] outputs."""
         data = keras_data.padded_batches(x, None, batch_size, self._hybrid.num_replicas, False)
+        self._set_predict_top_k(top_k)
+        if top_k is None:
+            _warn_if_large(data, self.head.spec.num_classes)
         self._fresh_function("predict_function", data)
-        return super().predict(data, **kwargs)
+        out = super().predict(data, **kwargs)
+        return tuple(out) if top_k else out
+
+    def _set_predict_top_k(self, top_k: Optional[int]) -> None:
+        classes = self.head.spec.num_classes
+        if top_k is not None and not (isinstance(top_k, (int, np.integer)) and 1 <= top_k <= classes):
+            raise ValueError(f"top_k must be an int from 1 to the {classes} classes, got {top_k!r}")
+        if top_k != getattr(self, "_predict_top_k", None):
+            self.predict_function = None  # traced for the other output
+        self._predict_top_k = None if top_k is None else int(top_k)
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
