@@ -158,6 +158,7 @@ class ParallelModel(keras.Model):
         and LearningRateScheduler: the paper's recipe is `optimizer=SGD(lr * K)`,
         `fc_optimizer=SGD(lr)` with fc_batch='worker'."""
         refuse_settings(steps_per_execution, run_eagerly, jit_compile, loss, kwargs)
+        on_shards, candidates_k = self._loss_placement(loss, metrics, kwargs.get("weighted_metrics"))
         with self._hybrid.scope():
             optimizer = keras.optimizers.get(optimizer)
         fc_template = keras.optimizers.get(fc_optimizer) if fc_optimizer is not None else optimizer
@@ -177,7 +178,8 @@ class ParallelModel(keras.Model):
             with self._hybrid.scope():
                 trunk_optimizer.build(self.trunk.trainable_variables)
         self.head.per_example_loss = per_example_loss(loss)
-        self._place_loss(loss, metrics, kwargs.get("weighted_metrics"))
+        self.head.loss_mode = "gathered" if on_shards is None else "sharded"
+        self.head.sharded_loss, self.head.candidates_k = on_shards, candidates_k
         self._fc_optimizer = KerasShardOptimizer(fc_template, self.head, self._hybrid.placement.devices,
                                               trunk_optimizer, rate_ratio(optimizer, fc_optimizer),
                                               own_schedule=fc_optimizer is not None)
@@ -185,11 +187,11 @@ class ParallelModel(keras.Model):
             self._restore_fc_slots(self._pending_fc_slots)
             self._pending_fc_slots = None
 
-    def _place_loss(self, loss, metrics, weighted_metrics) -> None:
-        """The loss and metrics computed on the shards, never gathering the logits, whenever
-        that is exact (owt_tf.parallel.sharded_metrics); HybridStrategy(loss='sharded')
-        insists on it, unless the planner chose it (scheme='auto': the compiled loss was not
-        known then)."""
+    def _loss_placement(self, loss, metrics, weighted_metrics):
+        """(ShardedLoss, candidates per shard): the loss and metrics computed on the shards,
+        never gathering the logits, whenever that is exact (owt_tf.parallel.sharded_metrics),
+        else (None, 0). HybridStrategy(loss='sharded') insists on it, unless the planner
+        chose it (scheme='auto': the compiled loss was not known then)."""
         spec = self.head.spec
         on_shards, k, why = loss_on_shards(loss, metrics, weighted_metrics,
                                            spec.output_activation, spec.num_classes)
@@ -199,8 +201,7 @@ class ParallelModel(keras.Model):
                                    "be computed on the shards; use loss='gathered'")
             warnings.warn(f"owt_tf: scheme 'auto' chose the sharded loss, but {why}: the logits "
                           "are gathered", stacklevel=3)
-        self.head.loss_mode = "gathered" if on_shards is None else "sharded"
-        self.head.sharded_loss, self.head.candidates_k = on_shards, k
+        return on_shards, k
 
     def _in_scope(self, optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
         """The user's own optimizer object (so that `model.optimizer is opt` and callbacks
