@@ -41,7 +41,7 @@ from owt_tf.parallel.keras_compile import (CompileError, KerasShardOptimizer,  #
                                            per_example_loss, rate_ratio, refuse_optimizer,
                                            refuse_settings)
 from owt_tf.parallel.plan import AUTO, PlanError
-from owt_tf.parallel.sharded_metrics import join_rounds, loss_on_shards, metric_inputs
+from owt_tf.parallel.sharded_metrics import join_rounds, loss_on_shards, map_rows, metric_inputs
 from owt_tf.parallel.step import replica_logit_shard, replica_train_step, whole_logits
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
 
@@ -246,7 +246,7 @@ class ParallelModel(keras.Model):
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=rounds.count)
             labels = _own_share(tf.concat(rounds.labels, 0))
-            outputs = tf.nest.map_structure(_own_share, join_rounds(rounds.outputs))
+            outputs = map_rows(_own_share, join_rounds(rounds.outputs))
             return self.compute_metrics(x, *metric_inputs(labels, outputs))
 
     def test_step(self, data):
@@ -263,8 +263,8 @@ class ParallelModel(keras.Model):
             loss += tf.add_n(self.trunk.losses)
         # Keras' `metrics` ignore sample weights (only `weighted_metrics` use them): drop the
         # padding rows instead.
-        labels, outputs, real = tf.nest.map_structure(_own_share, (labels, outputs, weight > 0))
-        labels, outputs = tf.nest.map_structure(lambda t: tf.boolean_mask(t, real), (labels, outputs))
+        labels, real, outputs = _own_share(labels), _own_share(weight > 0), map_rows(_own_share, outputs)
+        labels, outputs = tf.boolean_mask(labels, real), map_rows(lambda t: tf.boolean_mask(t, real), outputs)
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=count)
             return self.compute_metrics(x, *metric_inputs(labels, outputs))

@@ -18,7 +18,7 @@ column, which is never in a top k). `metric_top_k` says which metrics can be ser
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -160,16 +160,22 @@ def best_of(candidates: TopCandidates, k: int) -> TopCandidates:
 
 
 def join_rounds(outputs: Sequence) -> object:
-    """Every round's outputs (tensors or TopCandidates) joined along the rows."""
-    if len(outputs) == 1:
+    """Every round's outputs (tensors, TopCandidates or None: no metric reads them) joined
+    along the rows."""
+    if len(outputs) == 1 or outputs[0] is None:
         return outputs[0]
     return tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *outputs)
+
+
+def map_rows(fn: Callable[[tf.Tensor], tf.Tensor], outputs) -> object:
+    """`fn` on every tensor of `outputs` (a tensor, TopCandidates or None)."""
+    return None if outputs is None else tf.nest.map_structure(fn, outputs)
 
 
 def metric_inputs(labels: tf.Tensor, outputs) -> Tuple[tf.Tensor, tf.Tensor]:
     """(labels, y_pred) to feed Keras' compiled metrics: `outputs` themselves, or for
     TopCandidates a stand-in [rows, n + 1] that gives every accuracy metric the result the
-    whole outputs row would (see the module docstring)."""
+    whole outputs row would (see the module docstring). None (no metric): passed on."""
     if not isinstance(outputs, TopCandidates):
         return labels, outputs
     n = outputs.scores.shape[1]
