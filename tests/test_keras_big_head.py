@@ -112,6 +112,18 @@ def test_sharded_loss_and_metrics_equal_plain_keras(devices, case):
         assert 0 < ledger.by_purpose[coll.LOGITS] < whole_logits / 10, ledger.summary()
 
 
+def test_sharded_loss_without_metrics_evaluates_as_plain_keras(devices):
+    """No metric: the head gathers no candidates; evaluate's loss equals plain Keras'."""
+    reference = _big_head(False)
+    x, y = _data(reference, 70, seed=3)
+    settings = dict(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    parallel = _parallel(copy_of(reference), devices, **settings)
+    assert parallel.head.loss_mode == "sharded" and parallel.head.candidates_k == 0
+    reference.compile(**settings)
+    assert parallel.evaluate(x, y, batch_size=BATCH, verbose=0) == pytest.approx(
+        reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5)
+
+
 def test_other_metrics_fall_back_to_the_gathered_logits(devices):
     """A metric the candidates cannot serve (here a cross-entropy metric) keeps the gathered
     logits, and its results still equal plain Keras'; the logits gather is in the step."""
