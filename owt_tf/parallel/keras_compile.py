@@ -326,8 +326,7 @@ def _per_weight(grads: List[tf.Tensor], settings: Dict[str, float], total) -> Li
     return grads
 
 
-def refuse_settings(hybrid_loss: str, steps_per_execution, run_eagerly, jit_compile, loss,
-                    kwargs) -> None:
+def refuse_settings(steps_per_execution, run_eagerly, jit_compile, loss, kwargs) -> None:
     """CompileError for a compile setting a parallelized model cannot honour."""
     if steps_per_execution != 1:
         raise CompileError(f"steps_per_execution={steps_per_execution!r} is not supported "
@@ -346,9 +345,6 @@ def refuse_settings(hybrid_loss: str, steps_per_execution, run_eagerly, jit_comp
                            "HybridStrategy(jit=True), which compiles each trunk")
     if isinstance(loss, (dict, list, tuple)) or kwargs.get("loss_weights"):
         raise CompileError("one loss for one output only (the model has one output)")
-    if hybrid_loss == "sharded":
-        raise CompileError("HybridStrategy(loss='sharded') computes its own cross-entropy; "
-                           "use loss='gathered' with a compiled loss")
 
 
 def refuse_optimizer(opt, current=None) -> None:

@@ -45,7 +45,8 @@ from owt_tf.parallel.keras_compile import (MEAN_REDUCTIONS, CompileError,  # noq
 from owt_tf.parallel.keras_view import HeadViewMixin
 from owt_tf.parallel.plan import AUTO, PlanError, StepRounds
 from owt_tf.parallel.schemes import round_weights
-from owt_tf.parallel.step import replica_logits, replica_train_step, shard_index
+from owt_tf.parallel.sharded_metrics import join_rounds, loss_on_shards, map_rows, metric_inputs
+from owt_tf.parallel.step import replica_logit_shard, replica_train_step, shard_index, whole_logits
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
 
 class TrainingCallError(RuntimeError):
@@ -215,6 +216,19 @@ def _inner(optimizer):
     return optimizer
 
 
+# Above this many output floats, predict without top_k warns (2**27 floats: 512 MB).
+LARGE_OUTPUTS = 2 ** 27
+
+
+def _warn_if_large(data: tf.data.Dataset, classes: int) -> None:
+    batches = int(data.cardinality())
+    rows = tf.nest.flatten(data.element_spec)[0].shape[0]
+    if batches > 0 and rows is not None and batches * rows * classes > LARGE_OUTPUTS:
+        warnings.warn(f"predict returns {batches * rows} x {classes} outputs "
+                      f"({batches * rows * classes * 4 / 2**20:.0f} MB); predict(x, top_k=5) "
+                      "returns each row's top classes without gathering them", stacklevel=3)
+
+
 class ParallelModel(HeadViewMixin, keras.Model):
     """A Keras model whose trunk is data parallel and whose Dense head is sharded (see the
     module docstring). Build it with `owt_tf.parallelize`. What summary, get_layer,
@@ -249,8 +263,8 @@ class ParallelModel(HeadViewMixin, keras.Model):
         `optimizer`). Its learning rate relative to `optimizer`'s is kept through schedules
         and LearningRateScheduler: the paper's recipe is `optimizer=SGD(lr * K)`,
         `fc_optimizer=SGD(lr)` with fc_batch='worker'."""
-        refuse_settings(self._hybrid.parallel_plan.loss, steps_per_execution, run_eagerly, jit_compile, loss,
-                        kwargs)
+        refuse_settings(steps_per_execution, run_eagerly, jit_compile, loss, kwargs)
+        on_shards, candidates_k = self._loss_placement(loss, metrics, kwargs.get("weighted_metrics"))
         with self._hybrid.scope():
             optimizer = keras.optimizers.get(optimizer)
         inner = _inner(optimizer)
@@ -276,6 +290,8 @@ class ParallelModel(HeadViewMixin, keras.Model):
         self._clip = GradientClip(trunk_optimizer, fc_template)
         refuse_for_fc_batch(self._hybrid.parallel_plan.fc_batch, self._reduction, self._clip,
                             self._loss_scaler() is not None)
+        self.head.loss_mode = "gathered" if on_shards is None else "sharded"
+        self.head.sharded_loss, self.head.candidates_k = on_shards, candidates_k
         self._fc_optimizer = KerasShardOptimizer(fc_template, self.head, self._hybrid.placement.devices,
                                               trunk_optimizer, rate_ratio(trunk_optimizer, fc_optimizer),
                                               own_schedule=fc_optimizer is not None)
@@ -286,6 +302,22 @@ class ParallelModel(HeadViewMixin, keras.Model):
     def _loss_scaler(self) -> Optional[keras.optimizers.LossScaleOptimizer]:
         opt = getattr(self, "optimizer", None)
         return opt if isinstance(opt, keras.optimizers.LossScaleOptimizer) else None
+
+    def _loss_placement(self, loss, metrics, weighted_metrics):
+        """(ShardedLoss, candidates per shard): the loss and metrics computed on the shards,
+        never gathering the logits, whenever that is exact (owt_tf.parallel.sharded_metrics),
+        else (None, 0). HybridStrategy(loss='sharded') insists on it, unless the planner
+        chose it (scheme='auto': the compiled loss was not known then)."""
+        spec = self.head.spec
+        on_shards, k, why = loss_on_shards(loss, metrics, weighted_metrics,
+                                           spec.output_activation, spec.num_classes)
+        if on_shards is None and self._hybrid.parallel_plan.loss == "sharded":
+            if self._hybrid.auto_choice is None:
+                raise CompileError(f"HybridStrategy(loss='sharded'): {why}, so the loss cannot "
+                                   "be computed on the shards; use loss='gathered'")
+            warnings.warn(f"owt_tf: scheme 'auto' chose the sharded loss, but {why}: the logits "
+                          "are gathered", stacklevel=3)
+        return on_shards, k
 
     def _in_scope(self, optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
         """The user's own optimizer object (so that `model.optimizer is opt` and callbacks
@@ -334,9 +366,10 @@ class ParallelModel(HeadViewMixin, keras.Model):
             loss += step.trunk_loss
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=rounds.count)
-            return self.compute_metrics(
-                x, _own_share(tf.concat(rounds.labels, 0)), _own_share(tf.concat(rounds.outputs, 0)),
-                None if metric_weights is None else _own_share(tf.concat(metric_weights, 0)))
+            labels = _own_share(tf.concat(rounds.labels, 0))
+            outputs = map_rows(_own_share, join_rounds(rounds.outputs))
+            weights = None if metric_weights is None else _own_share(tf.concat(metric_weights, 0))
+            return self.compute_metrics(x, *metric_inputs(labels, outputs), weights)
 
     def _loss_weights(self, plan: StepRounds, sample_weight, rows: int):
         """Per round, each row's weight in the loss (its sample weight times what turns the
@@ -356,11 +389,12 @@ class ParallelModel(HeadViewMixin, keras.Model):
     def test_step(self, data):
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
         weight, valid = weight if isinstance(weight, tuple) else (None, weight)
-        logits = replica_logits(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
+        logits = replica_logit_shard(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
         labels, valid = coll.gather_labels(y), coll.gather_labels(valid)
         weight = valid if weight is None else coll.gather_labels(weight) * valid
-        outputs = self.head.outputs(logits)
-        per_example = tf.cast(self.head.per_example_loss(labels, outputs), tf.float32)
+        # outputs: whole rows, or under the sharded loss each shard's top candidates
+        per_example, _, outputs = self.head.loss_terms(logits, labels, coll.replica_id())
+        per_example = tf.cast(per_example, tf.float32)
         count = tf.reduce_sum(valid)
         loss = tf.math.divide_no_nan(tf.reduce_sum(per_example * weight),
                                      loss_divisor(self._reduction, count, tf.reduce_sum(weight)))
@@ -368,21 +402,28 @@ class ParallelModel(HeadViewMixin, keras.Model):
             loss += tf.add_n(self.trunk.losses)
         # Keras' `metrics` ignore sample weights (only `weighted_metrics` use them): the
         # padding rows are dropped instead.
-        labels, outputs, weight, real = (_own_share(t) for t in (labels, outputs, weight, valid > 0))
+        labels, weight, real = (_own_share(t) for t in (labels, weight, valid > 0))
+        outputs = map_rows(lambda t: tf.boolean_mask(t, real), map_rows(_own_share, outputs))
+        labels, weight = tf.boolean_mask(labels, real), tf.boolean_mask(weight, real)
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=count)
-            return self.compute_metrics(x, tf.boolean_mask(labels, real),
-                                        tf.boolean_mask(outputs, real),
-                                        tf.boolean_mask(weight, real))
+            return self.compute_metrics(x, *metric_inputs(labels, outputs), weight)
 
     def predict_step(self, data):
         x, valid = (data[0], data[1]) if isinstance(data, (tuple, list)) and len(data) > 1 else (
             data[0] if isinstance(data, (tuple, list)) else data, None)
-        logits = replica_logits(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
+        logits = replica_logit_shard(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
         rows = self._static_rows(x)
         k = coll.replica_id()
-        outputs = self.head.outputs(logits[k * rows:(k + 1) * rows])
-        return outputs if valid is None else tf.boolean_mask(outputs, valid > 0)
+        top_k = getattr(self, "_predict_top_k", None)
+        if top_k:  # (scores, class ids) from each shard's candidates: no [rows, classes] gather
+            outputs = tuple(self.head.top_k_outputs(logits, k, top_k))
+        else:
+            outputs = self.head.outputs(whole_logits(self.head, logits))
+        outputs = tf.nest.map_structure(lambda t: t[k * rows:(k + 1) * rows], outputs)
+        if valid is None:
+            return outputs
+        return tf.nest.map_structure(lambda t: tf.boolean_mask(t, valid > 0), outputs)
 
     def call(self, inputs, training=False):
         """One-device forward pass in inference mode (every shard joined): Keras' symbolic
@@ -442,11 +483,26 @@ class ParallelModel(HeadViewMixin, keras.Model):
         self._fresh_function("test_function", data)
         return super().evaluate(data, **kwargs)
 
-    def predict(self, x, batch_size=None, **kwargs):
-        """Keras' predict; every row, in order (the last batch padded, the padding dropped)."""
+    def predict(self, x, batch_size=None, *, top_k: Optional[int] = None, **kwargs):
+        """Keras' predict; every row, in order (the last batch padded, the padding dropped).
+        `top_k`: (scores, class ids), each [rows, top_k], best first: the model's outputs for
+        each row's top_k classes, found from each shard's own candidates without gathering
+        the [rows, classes] outputs."""
         data = keras_data.padded_batches(x, None, batch_size, self._hybrid.num_replicas, False)
+        self._set_predict_top_k(top_k)
+        if top_k is None:
+            _warn_if_large(data, self.head.spec.num_classes)
         self._fresh_function("predict_function", data)
-        return super().predict(data, **kwargs)
+        out = super().predict(data, **kwargs)
+        return tuple(out) if top_k else out
+
+    def _set_predict_top_k(self, top_k: Optional[int]) -> None:
+        classes = self.head.spec.num_classes
+        if top_k is not None and not (isinstance(top_k, (int, np.integer)) and 1 <= top_k <= classes):
+            raise ValueError(f"top_k must be an int from 1 to the {classes} classes, got {top_k!r}")
+        if top_k != getattr(self, "_predict_top_k", None):
+            self.predict_function = None  # traced for the other output
+        self._predict_top_k = None if top_k is None else int(top_k)
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):

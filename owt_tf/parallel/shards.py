@@ -24,6 +24,8 @@ import tensorflow as tf
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.plan import widths_problem
+from owt_tf.parallel.sharded_metrics import (LOWEST, ShardedLoss, TopCandidates, best_of,
+                                             shard_top_candidates, unpack_gathered)
 
 COL, ROW = "col", "row"
 
@@ -183,6 +185,11 @@ class ShardedHead(tf.Module):
         self.compute_dtype = tf.as_dtype(compute_dtype)
         # (labels, outputs) -> per-example loss; None: cross-entropy on the logits.
         self.per_example_loss: Optional[Callable[[tf.Tensor, tf.Tensor], tf.Tensor]] = None
+        # Under the sharded loss: which cross-entropy (a Keras compile's; None: sparse, the
+        # CLI's), and how many top candidates per shard the metrics read (0: none, the
+        # loss terms' third element is then None).
+        self.sharded_loss: Optional[ShardedLoss] = None
+        self.candidates_k = 0
         splits = layer_splits(len(spec.widths), fc_exchange)
         self.layers = [
             ShardedDense(f"fc{i}", kern, bias, split, devices, local)
@@ -303,8 +310,9 @@ class ShardedHead(tf.Module):
 
     def loss_terms(self, logits_shard: tf.Tensor, labels: tf.Tensor,
                    k: int) -> Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]:
-        """Per-example loss, top-1 correctness and the model's outputs (None under the
-        sharded loss) for rows whose labels are `labels`.
+        """Per-example loss, top-1 correctness and the model's outputs for rows whose labels
+        are `labels`; under the sharded loss, instead of the outputs, the top
+        `candidates_k` classes of every shard (TopCandidates), or None.
 
         The loss is `self.per_example_loss(labels, outputs)` when set (a Keras model's
         compiled loss), else sparse softmax cross-entropy on the logits. 'gathered'
@@ -321,8 +329,7 @@ class ShardedHead(tf.Module):
         for all of them."""
         per_round = functools.partial(_per_round, rounds=rounds)
         if self.loss_mode == "sharded" and self.num_shards > 1:
-            return [(ce, correct, None)
-                    for ce, correct in self._sharded_cross_entropy(logits_shards, labels, k, per_round)]
+            return self._sharded_cross_entropy(logits_shards, labels, k, per_round)
         logits_all = list(logits_shards)
         if self.num_shards > 1:
             logits_all = self._gather(logits_all, coll.LOGITS)
@@ -342,39 +349,115 @@ class ShardedHead(tf.Module):
         correct = tf.equal(tf.argmax(logits, axis=1, output_type=tf.int64), target)
         return ce, correct, outputs
 
+    def _class_range(self, logits: tf.Tensor, k: int) -> Tuple[int, tf.Tensor]:
+        """Shard k's first class id and which of its columns are classes (not padding)."""
+        width = logits.shape[1]
+        return k * width, tf.range(k * width, (k + 1) * width) < self.spec.num_classes
+
+    def _top_gathered(self, logits_shards, k: int, per_round, top: int):
+        """Every shard's `top` best logits of each round's rows (ids too when candidates are
+        wanted), all-gathered: per round, (values [n, K*top], ids [n, K*top] or None). The
+        best value is the max that stabilizes the softmax (ReduceOp has no MAX)."""
+        first, _ = self._class_range(logits_shards[0], k)
+        with_ids = self.candidates_k > 0
+
+        def local_top(logits, r):
+            packed = shard_top_candidates(logits, first, self.spec.num_classes, top)
+            return packed if with_ids else packed[:, :top]
+
+        gathered = self._gather(per_round(local_top, logits_shards), coll.LOGITS)
+        if with_ids:
+            return [unpack_gathered(g, self.num_shards, top) for g in gathered]
+        return [(g, None) for g in gathered]
+
     def _sharded_cross_entropy(self, logits_shards, labels, k, per_round):
-        # float32 from here: sums of exponentials need its precision; what travels is [n, 2]
-        # per round, not [n, classes].
+        # float32 from here: sums of exponentials need its precision; what travels is
+        # [n, 2 or 3] per round, and [n, 2 * candidates] for the metrics, not [n, classes].
         logits_shards = [tf.cast(l, tf.float32) for l in logits_shards]
         width = logits_shards[0].shape[1]
-        classes = tf.range(k * width, (k + 1) * width)
-        valid = classes < self.spec.num_classes
-
-        def local_max(logits, r):
-            lowest = tf.constant(logits.dtype.min, logits.dtype)
-            masked = tf.where(valid[None, :], logits, lowest)
-            return tf.stop_gradient(tf.reduce_max(masked, axis=1, keepdims=True))
-
-        maxima = self._gather(per_round(local_max, logits_shards), coll.LOGITS)
-        global_max = per_round(lambda m, r: tf.reduce_max(m, axis=1), maxima)
+        first, valid = self._class_range(logits_shards[0], k)
+        loss = self.sharded_loss or ShardedLoss()
+        top = min(max(self.candidates_k, 1), width)
+        tops = self._top_gathered(logits_shards, k, per_round, top)
+        global_max = [tf.reduce_max(values, axis=1) for values, _ in tops]
 
         def local_terms(logits, r):
             shifted = tf.where(valid[None, :], logits - global_max[r][:, None], -np.inf)
-            local_label = labels[r] - k * width
-            mine = (local_label >= 0) & (local_label < width)
-            picked = tf.gather(logits, tf.clip_by_value(local_label, 0, width - 1), batch_dims=1)
-            return tf.stack([tf.reduce_sum(tf.exp(shifted), axis=1),
-                             tf.where(mine, picked, tf.zeros_like(picked))], axis=1)
+            sums = [tf.reduce_sum(tf.exp(shifted), axis=1)]
+            if loss.sparse:
+                # Keras takes class ids as [n] or [n, 1], of any number type
+                local_label = tf.reshape(tf.cast(labels[r], tf.int32), [-1]) - first
+                mine = (local_label >= 0) & (local_label < width)
+                picked = tf.gather(logits, tf.clip_by_value(local_label, 0, width - 1), batch_dims=1)
+                sums.append(tf.where(mine, picked, tf.zeros_like(picked)))
+            else:
+                present = tf.where(valid[None, :], logits, 0.0)
+                sums.append(tf.reduce_sum(self._label_columns(labels[r], first, width) * present, 1))
+                if loss.label_smoothing:
+                    sums.append(tf.reduce_sum(present, axis=1))
+            return tf.stack(sums, axis=1)
 
-        # Normalizer and target logit in one all-reduce: two separate ones would both be
-        # ready at once in the backward pass, in an order that can differ between replicas.
+        # Normalizer and label terms in one all-reduce: separate ones would all be ready at
+        # once in the backward pass, in an order that can differ between replicas.
         terms = self._exchange(coll.all_reduce_sum, per_round(local_terms, logits_shards), coll.LOGITS)
 
         def cross_entropy(t, r):
-            sum_exp, target = t[:, 0], t[:, 1]
-            return tf.math.log(sum_exp) + global_max[r] - target, target >= global_max[r]
+            log_norm = tf.math.log(t[:, 0]) + global_max[r]
+            if loss.sparse:
+                return log_norm - t[:, 1], t[:, 1] >= global_max[r], self._candidates(tops[r], t, r, global_max)
+            # -sum_c y_c log softmax_c = log_norm * sum(y) - sum(y * logits), y smoothed as
+            # Keras smooths it: y (1 - s) + s / classes.
+            y = tf.cast(labels[r], tf.float32)
+            s = loss.label_smoothing
+            label_sum = tf.reduce_sum(y, axis=1) * (1 - s) + s
+            label_logits = t[:, 1] * (1 - s) + (t[:, 2] * s / self.spec.num_classes if s else 0.0)
+            return (log_norm * label_sum - label_logits, t[:, 1] >= global_max[r],
+                    self._candidates(tops[r], t, r, global_max))
 
         return per_round(cross_entropy, terms)
+
+    def _label_columns(self, labels: tf.Tensor, first: int, width: int) -> tf.Tensor:
+        """This shard's columns of [n, classes] labels (zero on padding columns)."""
+        labels = tf.cast(labels, tf.float32)
+        pad = self.num_shards * width - self.spec.num_classes
+        return tf.pad(labels, [[0, 0], [0, pad]])[:, first:first + width]
+
+    def _candidates(self, top, terms, r, global_max) -> Optional[TopCandidates]:
+        """The round's candidates, scored as the model's outputs: a softmax's from the
+        normalizer already summed for the loss."""
+        values, ids = top
+        if ids is None:
+            return None
+        return TopCandidates(self._scores(values, global_max[r], terms[:, 0]), ids)
+
+    def _scores(self, values: tf.Tensor, global_max: tf.Tensor, sum_exp: tf.Tensor) -> tf.Tensor:
+        """The model's outputs for logits `values` of rows whose max logit and sum of
+        exp(logit - max) are given; padding (LOWEST) stays LOWEST."""
+        if self.spec.output_activation == "softmax":
+            scores = tf.exp(values - global_max[:, None]) / sum_exp[:, None]
+        elif self.spec.output_activation == "sigmoid":
+            scores = tf.sigmoid(values)
+        else:
+            return values
+        return tf.where(values > LOWEST, scores, LOWEST)
+
+    def top_k_outputs(self, logits_shard: tf.Tensor, k: int, top_k: int) -> TopCandidates:
+        """The `top_k` best classes of every row and the model's outputs for them, from shard
+        k's logits of the rows (every replica's rows; inference): each shard's candidates
+        gathered ([rows, 2 K top_k]), and a softmax's normalizer all-reduced ([rows])."""
+        logits = tf.cast(logits_shard, tf.float32)
+        top = min(top_k, logits.shape[1])
+        first, valid = self._class_range(logits, k)
+        packed = shard_top_candidates(logits, first, self.spec.num_classes, top)
+        values, ids = unpack_gathered(self._gather([packed], coll.LOGITS)[0], self.num_shards, top)
+        global_max = tf.reduce_max(values, axis=1)
+        sum_exp = None
+        if self.spec.output_activation == "softmax":
+            shifted = tf.where(valid[None, :], logits - global_max[:, None], -np.inf)
+            sum_exp = self._exchange(coll.all_reduce_sum, [tf.reduce_sum(tf.exp(shifted), 1)],
+                                     coll.LOGITS)[0]
+        best = best_of(TopCandidates(values, ids), top_k)
+        return TopCandidates(self._scores(best.scores, global_max, sum_exp), best.ids)
 
 
 def _per_round(fn: Callable[[tf.Tensor, int], object], ts: Sequence[tf.Tensor],

@@ -74,15 +74,25 @@ def replica_train_step(plan: StepRounds, head: ShardedHead, trunk_forward: Trunk
     return ReplicaStep(rounds, grads, trunk_loss)
 
 
-def replica_logits(model_parallel: bool, head: ShardedHead, trunk_forward: TrunkForward,
-                   images: tf.Tensor) -> tf.Tensor:
-    """Inference logits of the rows this replica reports: the whole global batch (model
-    parallel: every replica sees every row) or its own rows (data parallel)."""
+def replica_logit_shard(model_parallel: bool, head: ShardedHead, trunk_forward: TrunkForward,
+                        images: tf.Tensor) -> tf.Tensor:
+    """This replica's shard of the inference logits (model parallel: of the whole global
+    batch, every replica's rows; [rows, padded classes / K]), or all of its own rows'."""
     shard = coll.replica_id() if model_parallel else 0
     activations, _ = trunk_forward(images)
     activations = tf.cast(activations, head.compute_dtype)
     rows = coll.all_gather(activations, 0, coll.ACTIVATIONS) if model_parallel else activations
-    logits = head.forward(rows, shard, False, None)
-    if head.num_shards > 1:
-        logits = coll.all_gather(logits, 1, coll.LOGITS)
+    return head.forward(rows, shard, False, None)
+
+
+def replica_logits(model_parallel: bool, head: ShardedHead, trunk_forward: TrunkForward,
+                   images: tf.Tensor) -> tf.Tensor:
+    """Inference logits of the rows this replica reports: the whole global batch (model
+    parallel: every replica sees every row) or its own rows (data parallel)."""
+    return whole_logits(head, replica_logit_shard(model_parallel, head, trunk_forward, images))
+
+
+def whole_logits(head: ShardedHead, logit_shard: tf.Tensor) -> tf.Tensor:
+    """Every shard's logits of these rows, all-gathered: [rows, classes], float32."""
+    logits = coll.all_gather(logit_shard, 1, coll.LOGITS) if head.num_shards > 1 else logit_shard
     return tf.cast(logits[:, : head.spec.num_classes], tf.float32)
