@@ -295,6 +295,13 @@ def apply_summed(optimizer: keras.optimizers.Optimizer, grads: List[tf.Tensor],
             optimizer.__dict__.pop(name, None)
 
 
+def inner_optimizer(optimizer):
+    """The optimizer a LossScaleOptimizer wraps (any other: itself)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
 def refuse_for_fc_batch(fc_batch: str, reduction: str, clip: GradientClip,
                         loss_scaled: bool) -> None:
     """With fc_batch='worker' the FC layers take K updates a step, each on one round's rows:

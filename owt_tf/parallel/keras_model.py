@@ -36,9 +36,10 @@ import tensorflow as tf
 from owt_tf.devices import outside_strategy_scope
 from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel import head_state, keras_data
+from owt_tf.parallel import head_state, keras_data, keras_files
 from owt_tf.parallel.keras_compile import (MEAN_REDUCTIONS, CompileError,  # noqa: F401
                                            GradientClip, KerasShardOptimizer, apply_summed,
+                                           inner_optimizer as _inner,
                                            loss_divisor, loss_reduction, per_example_loss,
                                            rate_ratio, refuse_for_fc_batch, refuse_optimizer,
                                            refuse_settings)
@@ -86,7 +87,10 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
     if seed is None:
         seed = int(np.random.default_rng().integers(2**31 - 1))
     with hybrid.scope():
-        return ParallelModel(hybrid, split, source, seed)
+        parallel = ParallelModel(hybrid, split, source, seed)
+        if keras_files.is_resumable(model):  # a loaded .keras file: its run goes on
+            keras_files.read_state(parallel, model)
+        return parallel
 
 
 def _choose_scheme(hybrid: HybridStrategy, split: KerasSplit, name: str):
@@ -207,13 +211,6 @@ def _finite_everywhere(grads: List[tf.Tensor]) -> tf.Tensor:
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
     bad = coll.all_reduce_sum(tf.cast(tf.logical_not(finite), tf.float32), coll.FC_GRAD)
     return tf.equal(bad, 0.0)
-
-
-def _inner(optimizer):
-    """The optimizer a LossScaleOptimizer wraps (itself for any other)."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer.inner_optimizer
-    return optimizer
 
 
 # Above this many output floats, predict without top_k warns (2**27 floats: 512 MB).
@@ -590,9 +587,14 @@ class ParallelModel(HeadViewMixin, keras.Model):
         return plain
 
     def save(self, filepath, overwrite=True, **kwargs):
-        """The model as a plain one-device Keras model (`.keras`): it loads without owt_tf.
-        Optimizer state is not in it; resume training from save_weights / BackupAndRestore."""
-        return self.to_keras_model().save(filepath, overwrite=overwrite, **kwargs)
+        """The model as a plain one-device Keras model (`.keras`): it loads without owt_tf,
+        compiled as this one, with the optimizer's state (trunk and every shard, whole;
+        owt_tf.parallel.keras_files), so that `load_model` + `fit` continues the run, and
+        `parallelize` of the loaded model continues it at any K."""
+        plain = self.to_keras_model()
+        if getattr(self, "compiled", False) and getattr(self, "optimizer", None) is not None:
+            keras_files.write_state(self, plain)
+        return plain.save(filepath, overwrite=overwrite, **kwargs)
 
     def export(self, filepath, format="tf_saved_model", **kwargs):
         """The plain one-device model exported by Keras (a SavedModel by default)."""
