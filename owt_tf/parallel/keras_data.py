@@ -158,26 +158,28 @@ def check_global_batch(size: int, num_replicas: int) -> int:
 
 
 def training_batches(x, y, batch_size: Optional[int], shuffle: bool, num_replicas: int,
-                     sample_weight=None, class_weight: Optional[Dict[int, float]] = None
-                     ) -> Tuple[tf.data.Dataset, int]:
-    """Whole global batches of (x, y, weight), and the per-replica batch size."""
+                     sample_weight=None, class_weight: Optional[Dict[int, float]] = None,
+                     seed: Optional[int] = None) -> Tuple[tf.data.Dataset, int]:
+    """Whole global batches of (x, y, weight), and the per-replica batch size. `seed`: the
+    shuffle's (the same on every worker of a cluster), else a fresh order every run."""
     if class_weight is not None and sample_weight is not None:
         raise DataError("class_weight and sample_weight cannot be given together (as in Keras)")
     rows, size = _as_dataset(x, y, batch_size, sample_weight)
     per_replica = check_global_batch(size, num_replicas)
     rows = _elements(rows, with_labels=True, class_weight=class_weight)
     if shuffle and not isinstance(x, tf.data.Dataset):
-        batches = _shuffled_batches(rows, len(x), size)
+        batches = _shuffled_batches(rows, len(x), size, seed)
     else:
         batches = rows.batch(size, drop_remainder=True)
     return batches.prefetch(tf.data.AUTOTUNE), per_replica
 
 
-def _shuffled_batches(rows: tf.data.Dataset, n: int, size: int) -> tf.data.Dataset:
+def _shuffled_batches(rows: tf.data.Dataset, n: int, size: int,
+                      seed: Optional[int] = None) -> tf.data.Dataset:
     """Whole batches of every row in a new order each epoch, as Keras shuffles arrays: a
     permutation of the row indices (8 bytes a row in the shuffle buffer), not a window."""
     table = next(iter(rows.batch(n)))  # every row, labels and weights prepared once
-    order = tf.data.Dataset.range(n).shuffle(n, reshuffle_each_iteration=True)
+    order = tf.data.Dataset.range(n).shuffle(n, seed=seed, reshuffle_each_iteration=True)
     return order.batch(size, drop_remainder=True).map(
         lambda i: tuple(tf.gather(t, i) for t in table))
 

@@ -86,6 +86,10 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
         raise UnsupportedModel(err.message) from None
     if seed is None:
         seed = int(np.random.default_rng().integers(2**31 - 1))
+    # In a cluster every worker takes the chief's: the head's dropout masks and the order of
+    # shuffled arrays must be the same on every worker.
+    placement = hybrid.placement
+    seed = int(placement.sum_over_workers(np.array([seed if placement.is_chief else 0]))[0])
     with hybrid.scope():
         parallel = ParallelModel(hybrid, split, source, seed)
         if keras_files.is_resumable(model):  # a loaded .keras file: its run goes on
@@ -204,6 +208,13 @@ class _Updates:
             apply_summed(self.optimizer, grads, self.trunk_vars)
         else:
             self.optimizer.apply_gradients(zip(grads, self.trunk_vars))
+
+
+def _count_batches(data: tf.data.Dataset) -> int:
+    count = int(data.cardinality())
+    if count >= 0:
+        return count
+    return int(data.reduce(0, lambda n, _: n + 1))
 
 
 def _finite_everywhere(grads: List[tf.Tensor]) -> tf.Tensor:
@@ -366,7 +377,16 @@ class ParallelModel(HeadViewMixin, keras.Model):
             labels = _own_share(tf.concat(rounds.labels, 0))
             outputs = map_rows(_own_share, join_rounds(rounds.outputs))
             weights = None if metric_weights is None else _own_share(tf.concat(metric_weights, 0))
-            return self.compute_metrics(x, *metric_inputs(labels, outputs), weights)
+            return self._logs(self.compute_metrics(x, *metric_inputs(labels, outputs), weights))
+
+    def _logs(self, logs: dict) -> dict:
+        """A step's logs as Keras' loops can reduce them. Across workers Keras reduces each
+        value with MultiWorkerMirroredStrategy.reduce(MEAN, axis=0), which fails on a scalar
+        (tensorflow/tensorflow#72388): there each becomes [1] (the values are the same on
+        every replica, so their mean is the value)."""
+        if self._hybrid.placement.cluster is None:
+            return logs
+        return {name: tf.reshape(value, [1]) for name, value in logs.items()}
 
     def _loss_weights(self, plan: StepRounds, sample_weight, rows: int):
         """Per round, each row's weight in the loss (its sample weight times what turns the
@@ -404,7 +424,7 @@ class ParallelModel(HeadViewMixin, keras.Model):
         labels, weight = tf.boolean_mask(labels, real), tf.boolean_mask(weight, real)
         with self._after_data(loss):
             self._loss_metric().update_state(loss, sample_weight=count)
-            return self.compute_metrics(x, *metric_inputs(labels, outputs), weight)
+            return self._logs(self.compute_metrics(x, *metric_inputs(labels, outputs), weight))
 
     def predict_step(self, data):
         x, valid = (data[0], data[1]) if isinstance(data, (tuple, list)) and len(data) > 1 else (
@@ -431,6 +451,13 @@ class ParallelModel(HeadViewMixin, keras.Model):
                 "fit or train_on_batch (a GradientTape over model.trainable_variables would "
                 "see the trunk only, not the FC shards)")
         features = self.trunk(inputs, training=False)
+        if len(self.head.local_shards) < self.head.num_shards:  # a worker of a cluster
+            if tf.executing_eagerly():
+                raise TrainingCallError("model(x) in a multi-worker run: each worker holds only "
+                                        "its own FC shards; use predict")
+            # Keras' symbolic build traces a call for the outputs' shape only.
+            logits = tf.zeros([tf.shape(features)[0], self.head.spec.num_classes])
+            return self.head.outputs(logits)
         return self.head.outputs(self.head.forward_assembled(features))
 
     @staticmethod
@@ -462,14 +489,16 @@ class ParallelModel(HeadViewMixin, keras.Model):
             (x, y, sample_weight), validation_data = keras_data.validation_split_of(
                 x, y, sample_weight, validation_split)
         train, per_replica = keras_data.training_batches(
-            x, y, batch_size, shuffle, self._hybrid.num_replicas, sample_weight, class_weight)
+            x, y, batch_size, shuffle, self._hybrid.num_replicas, sample_weight, class_weight,
+            seed=self._seed if self._hybrid.placement.cluster is not None else None)
         self._hybrid.step_rounds(per_replica)  # refuses a batch the scheme cannot split
         self._fresh_function("train_function", train)
         if validation_data is not None:
             validation_data = self._evaluation_data(validation_data, validation_batch_size)
             self._fresh_function("test_function", validation_data)
-        return super().fit(train, epochs=epochs, validation_data=validation_data,
-                           shuffle=False, **kwargs)
+            validation_data = self._fed(validation_data, kwargs, "validation_steps")
+        return super().fit(self._fed(train, kwargs, "steps_per_epoch"), epochs=epochs,
+                           validation_data=validation_data, shuffle=False, **kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, sample_weight=None, **kwargs):
         """Keras' evaluate over every row (the last batch padded with rows marked invalid)."""
@@ -478,7 +507,7 @@ class ParallelModel(HeadViewMixin, keras.Model):
         data = keras_data.padded_batches(x, y, batch_size, self._hybrid.num_replicas, True,
                                          sample_weight)
         self._fresh_function("test_function", data)
-        return super().evaluate(data, **kwargs)
+        return super().evaluate(self._fed(data, kwargs, "steps"), **kwargs)
 
     def predict(self, x, batch_size=None, *, top_k: Optional[int] = None, **kwargs):
         """Keras' predict; every row, in order (the last batch padded, the padding dropped).
@@ -490,7 +519,7 @@ class ParallelModel(HeadViewMixin, keras.Model):
         if top_k is None:
             _warn_if_large(data, self.head.spec.num_classes)
         self._fresh_function("predict_function", data)
-        out = super().predict(data, **kwargs)
+        out = super().predict(self._fed(data, kwargs, "steps"), **kwargs)
         return tuple(out) if top_k else out
 
     def _set_predict_top_k(self, top_k: Optional[int]) -> None:
@@ -527,12 +556,40 @@ class ParallelModel(HeadViewMixin, keras.Model):
         self._symbolic_build(data_batch=next(iter(data)))
         make()
         self.reset_metrics()
-        iterator = iter(self._hybrid.strategy.experimental_distribute_dataset(data))
+        fed = self._fed(data, {}, "steps")
+        if isinstance(fed, tf.data.Dataset):
+            fed = self._hybrid.strategy.experimental_distribute_dataset(fed)
+        iterator = iter(fed)
         # The metrics' own results (their variables summed over replicas), as Keras' loops
         # report at the end of an epoch; the step's logs are per-replica values averaged.
         logs = self._get_metrics_result_or_logs(getattr(self, name)(iterator))
         logs = {k: float(np.asarray(v)) for k, v in logs.items()}
         return logs if return_dict else self._flatten_metrics_in_order(logs)
+
+    def _fed(self, data: tf.data.Dataset, kwargs: dict, steps_key: str):
+        """The global batches as Keras' loops take them. In one process Keras distributes
+        the dataset itself (the same rows per replica). In a cluster each worker keeps only
+        its own rows of every global batch (Placement.distribute_batches), so that every
+        global batch holds the rows a one-process run at the same K gives; the dataset is
+        repeated and its batches counted into `kwargs[steps_key]`, since a finite dataset
+        distributed across workers gets an unknown batch dimension (tf.distribute's input
+        pipeline must allow for uneven last batches) and the hybrid step needs static ones."""
+        placement = self._hybrid.placement
+        if placement.cluster is None:
+            return data
+        self._sample_batch = next(iter(data))  # for _maybe_symbolic_build
+        if kwargs.get(steps_key) is None:
+            kwargs[steps_key] = _count_batches(data)
+        rows = tf.nest.flatten(data.element_spec)[0].shape[0]
+        return placement.distribute_batches(data, rows // placement.num_replicas, repeat=True)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras builds the compiled metrics from a batch it reduces over replicas, which
+        MultiWorkerMirroredStrategy cannot do for a nested batch ("unsupported type
+        PerReplica"): in a cluster the batch is taken before distribution instead."""
+        if self._hybrid.placement.cluster is not None and iterator is not None:
+            iterator, data_batch = None, self._sample_batch
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _fresh_function(self, name: str, data: tf.data.Dataset) -> None:
         """Drops Keras' compiled step when the batch size changed. Keras traces with

@@ -167,17 +167,18 @@ class Placement:
         context.context().wait_at_barrier(f"owt_tf/{name}/{self._barriers}",
                                           int(timeout_s * 1000))
 
-    def distribute_batches(self, dataset: tf.data.Dataset,
-                           batch_size: int) -> tf.distribute.DistributedDataset:
+    def distribute_batches(self, dataset: tf.data.Dataset, batch_size: int,
+                           repeat: bool = False) -> tf.distribute.DistributedDataset:
         """A dataset of global batches (tuples whose first dimension is B*K) as per-replica
         batches: replica k gets rows k*B ... (k+1)*B-1 (the run contract, docs/design.md). Each
-        process keeps only its own replicas' rows, before anything else is done to them."""
+        process keeps only its own replicas' rows, before anything else is done to them.
+        `repeat`: endlessly (see distribute_own_rows)."""
         first, count = self.own_rows(batch_size)
 
         def own_rows(*batch):
-            return tuple(t[first:first + count] for t in batch)
+            return tf.nest.map_structure(lambda t: t[first:first + count], batch)
 
-        return self.distribute_own_rows(dataset.map(own_rows), batch_size)
+        return self.distribute_own_rows(dataset.map(own_rows), batch_size, repeat)
 
     def own_rows(self, batch_size: int) -> Tuple[int, int]:
         """(first, count): the rows of each global batch this process's replicas take, at
@@ -185,13 +186,17 @@ class Placement:
         d = len(self.local_devices)
         return self.worker_id * d * batch_size, d * batch_size
 
-    def distribute_own_rows(self, dataset: tf.data.Dataset,
-                            batch_size: int) -> tf.distribute.DistributedDataset:
+    def distribute_own_rows(self, dataset: tf.data.Dataset, batch_size: int,
+                            repeat: bool = False) -> tf.distribute.DistributedDataset:
         """A dataset of this process's own rows of each global batch (`own_rows`, e.g. a
         streamed dataset's `train_rows`) as per-replica batches: local replica i gets rows
-        i*B ... (i+1)*B-1 of them."""
+        i*B ... (i+1)*B-1 of them. `repeat`: endlessly -- across workers, tf.distribute gives
+        a finite dataset an unknown batch dimension (it must allow for uneven last batches),
+        an endless one keeps its static shape."""
         # Consecutive elements go to consecutive local replicas.
         local = dataset.rebatch(batch_size, drop_remainder=True)
+        if repeat:
+            local = local.repeat()
         return self.strategy.distribute_datasets_from_function(lambda ctx: local)
 
     def distribute_global_batch(self, array) -> "tf.distribute.DistributedValues":

@@ -22,7 +22,7 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from owt_tf.cluster import Cluster
+from owt_tf.cluster import Cluster, resolve_cluster
 from owt_tf.models.cost import NetworkCost
 from owt_tf.parallel.auto import AutoChoice, resolve_auto
 from owt_tf.parallel.cost_model import OWT_SCHEMES
@@ -48,7 +48,8 @@ class HybridStrategy:
 
     `devices`: a count K (K GPUs when there are that many, else K logical CPUs) or this
     process's device names. With a `cluster` of several workers, every worker passes its
-    own D devices and the run has W * D replicas. `batch_size` (per replica) is needed only
+    own D devices and the run has W * D replicas. Without `cluster=`, the cluster is read
+    from TF_CONFIG, as MultiWorkerMirroredStrategy reads it (the same script on every host). `batch_size` (per replica) is needed only
     by the CLI's loop, which knows it up front; Keras' `fit` takes it from the data.
 
     `scheme="auto"`: the scheme, `fc_exchange` and `loss` are left to the planner
@@ -65,6 +66,8 @@ class HybridStrategy:
                  fc_exchange: str = "gather", loss: str = "gathered", jit: bool = False,
                  cluster: Optional[Cluster] = None, precision: str = "fp32"):
         auto = str(scheme) == AUTO
+        if cluster is None:
+            cluster = resolve_cluster()  # TF_CONFIG; None in a one-process run
         check_auto_processes(scheme, cluster.num_workers if cluster is not None else 1)
         # Until choose_scheme: owt-b's plan checks the flags auto keeps (fc_batch, jit).
         requested = ParallelPlan("owt-b" if auto else scheme, fc_batch, fc_exchange, loss, jit,

@@ -1,0 +1,42 @@
+"""One process of a Keras-path run (the same script on every worker, TF_CONFIG set by the
+caller, or unset for the one-process reference): parallelize a small model, fit 2 epochs,
+write the whole weights, the history and what the process saw of the cluster.
+
+    python keras_cluster_worker.py DEVICES OUT_PREFIX
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import owt_tf  # noqa: E402
+from keras_models import alexnet_like, random_data  # noqa: E402
+
+
+def main(devices: int, out: str) -> None:
+    strategy = owt_tf.HybridStrategy(devices=devices, scheme="owt-b")
+    with strategy.scope():
+        model = owt_tf.parallelize(alexnet_like(), seed=0)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x, y = random_data(128, seed=40)
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    evaluated = model.evaluate(x[:50], y[:50], batch_size=32, verbose=0)
+    weights = model.get_weights()  # in a cluster a collective: every worker reads
+    placement = strategy.placement
+    seen = {"replicas": strategy.num_replicas, "worker": placement.worker_id,
+            "workers": placement.num_workers, "history": history,
+            "evaluate": [float(v) for v in evaluated]}
+    with open(f"{out}.worker{placement.worker_id}.json", "w") as f:
+        json.dump(seen, f)
+    if placement.is_chief:
+        np.savez(f"{out}.npz", *weights)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])

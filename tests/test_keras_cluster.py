@@ -1,0 +1,56 @@
+"""The Keras path on several hosts, the Keras way: the same script on every worker with
+TF_CONFIG set (here 2 workers x 2 logical CPUs on 127.0.0.1), `HybridStrategy(devices=2)`
+reading it as MultiWorkerMirroredStrategy does, `fit(x, y)` giving every global batch the
+rows a one-process run at K = 4 gives. Held to that one-process run on every weight."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from owt_tf import launch
+
+WORKER = os.path.join(os.path.dirname(__file__), "keras_cluster_worker.py")
+pytestmark = pytest.mark.slow
+
+
+def _run(devices, out, tf_config=None, timeout=600):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    if tf_config is not None:
+        env["TF_CONFIG"] = tf_config
+    return subprocess.Popen([sys.executable, WORKER, str(devices), out], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(procs, timeout=600):
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-3000:]
+
+
+def test_two_workers_of_two_devices_equal_one_process_of_four(tmp_path):
+    addresses = [f"127.0.0.1:{port}" for port in launch.free_ports(2)]
+    cluster = str(tmp_path / "cluster")
+    _wait([_run(2, cluster, launch.tf_config(addresses, i)) for i in range(2)])
+    single = str(tmp_path / "single")
+    _wait([_run(4, single)])
+    # The cluster formed: each worker saw 4 replicas over 2 workers, as itself.
+    for worker in range(2):
+        with open(f"{cluster}.worker{worker}.json") as f:
+            seen = json.load(f)
+        assert (seen["replicas"], seen["workers"], seen["worker"]) == (4, 2, worker)
+    with open(f"{cluster}.worker0.json") as f:
+        got = json.load(f)
+    with open(f"{single}.worker0.json") as f:
+        want = json.load(f)
+    assert want["workers"] == 1 and want["replicas"] == 4
+    for name in want["history"]:
+        np.testing.assert_allclose(got["history"][name], want["history"][name], rtol=1e-5)
+    np.testing.assert_allclose(got["evaluate"], want["evaluate"], rtol=1e-5)
+    a, b = np.load(f"{cluster}.npz"), np.load(f"{single}.npz")
+    assert len(a.files) == len(b.files)
+    for key in b.files:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
