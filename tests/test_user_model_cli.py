@@ -73,7 +73,7 @@ def test_keras_file_keeps_its_weights(devices, tmp_path, user_module):
     assert trainer.spec.head.output_activation == "softmax"
 
 
-def test_cli_trains_resumes_at_another_k_and_exports(tmp_path, user_module):
+def test_cli_trains_resumes_at_another_k_and_exports(devices, tmp_path, user_module):
     pythonpath = str(tmp_path)
     logdir = str(tmp_path / "run")
     common = ["owt_tf.train", "--model", "user_models:build", "--logdir", logdir,
@@ -88,10 +88,18 @@ def test_cli_trains_resumes_at_another_k_and_exports(tmp_path, user_module):
     exported = _cli(["owt_tf.export", "--logdir", logdir, "--out", out], tmp_path, pythonpath)
     assert exported.returncode == 0, exported.stderr[-3000:]
     serving = tf.saved_model.load(os.path.join(out, "1"))
+    images = np.random.default_rng(0).integers(0, 256, (5, 16, 16, 3)).astype(np.uint8)
     probabilities = serving.signatures["serving_default"](
-        images=tf.zeros([2, 16, 16, 3], tf.uint8))["probabilities"].numpy()
-    assert probabilities.shape == (2, 10)
-    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+        images=tf.constant(images))["probabilities"].numpy()
+    # The trained model itself (restored from the run's last checkpoint, nothing trained)
+    # gives the same probabilities.
+    restored = Trainer(RunConfig.from_flags(model="user_models:build", logdir=logdir, devices=2,
+                                            batch_size=8, steps=40, eval_every=0),
+                       devices=devices[:2])
+    logits = restored.predict_logits(images)
+    restored.rundir.release()
+    want = np.exp(logits - logits.max(1, keepdims=True))
+    np.testing.assert_allclose(probabilities, want / want.sum(1, keepdims=True), atol=1e-5)
 
 
 def test_refused_user_models_are_one_line_flag_errors(devices, tmp_path, user_module):
