@@ -1,7 +1,12 @@
-"""Creates 16 logical CPU devices once per test session (before any TensorFlow op runs)."""
+"""Creates 16 logical CPU devices once per test session (before any TensorFlow op runs).
+
+The suite runs on logical CPUs only, on a host with GPUs too: they are hidden from this
+process and every process a test starts (which inherit the environment), so that
+`devices=K`, `--devices K` and "auto" mean K logical CPUs everywhere."""
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow is imported
 
 import pytest  # noqa: E402
 
