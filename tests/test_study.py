@@ -53,8 +53,10 @@ def test_small_study_end_to_end(tmp_path):
     results = json.loads((out / "results.json").read_text())
     runs = results["runs"]
     assert len(runs) == 3  # K=1 added; K=2 under both batch rules
+    # One epoch learns: below chance (0.90 on 10 classes) by a margin. Measured (seed 0):
+    # 0.60 (K=1), 0.69 and 0.77 (K=2, two FC batch rules).
     for r in runs:
-        assert 0.0 <= r["val_top1_error"] <= 1.0
+        assert 0.0 <= r["val_top1_error"] < 0.85, r["val_top1_error"]
         assert r["val_history"][-1][1] == pytest.approx(r["val_top1_error"])
         assert r["val_history"][-1][0] == pytest.approx(1.0, abs=0.05)
         assert os.path.isdir(r["logdir"])
