@@ -1,8 +1,11 @@
 """One process of a Keras-path run (the same script on every worker, TF_CONFIG set by the
-caller, or unset for the one-process reference): parallelize a small model, fit 2 epochs,
-write the whole weights, the history and what the process saw of the cluster.
+caller, or unset for the one-process reference): parallelize a small model, fit, write the
+whole weights, the history and what the process saw of the cluster.
 
-    python keras_cluster_worker.py DEVICES OUT_PREFIX
+    python keras_cluster_worker.py DEVICES OUT_PREFIX [EPOCHS [BACKUP_DIR [STOP_AFTER]]]
+
+With BACKUP_DIR, fit runs under keras.callbacks.BackupAndRestore; with STOP_AFTER the
+process stops (exit 3) at the end of that epoch, as an interrupted run would.
 """
 import json
 import os
@@ -18,14 +21,35 @@ import owt_tf  # noqa: E402
 from keras_models import alexnet_like, random_data  # noqa: E402
 
 
-def main(devices: int, out: str) -> None:
+class Interrupted(Exception):
+    pass
+
+
+class StopAfter(keras.callbacks.Callback):
+    def __init__(self, epoch: int):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.epoch:
+            raise Interrupted(f"stopped after epoch {self.epoch}")
+
+
+def main(devices: int, out: str, epochs: int = 2, backup: str = "", stop_after: int = 0) -> int:
     strategy = owt_tf.HybridStrategy(devices=devices, scheme="owt-b")
     with strategy.scope():
         model = owt_tf.parallelize(alexnet_like(), seed=0)
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     x, y = random_data(128, seed=40)
-    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+    callbacks = [keras.callbacks.BackupAndRestore(backup)] if backup else []
+    if stop_after:
+        callbacks.append(StopAfter(stop_after))
+    try:
+        history = model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0,
+                            callbacks=callbacks).history
+    except Interrupted:
+        return 3
     evaluated = model.evaluate(x[:50], y[:50], batch_size=32, verbose=0)
     weights = model.get_weights()  # in a cluster a collective: every worker reads
     placement = strategy.placement
@@ -36,7 +60,10 @@ def main(devices: int, out: str) -> None:
         json.dump(seen, f)
     if placement.is_chief:
         np.savez(f"{out}.npz", *weights)
+    return 0
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    args = sys.argv[1:]
+    sys.exit(main(int(args[0]), args[1], *(int(a) if i != 1 else a
+                                            for i, a in enumerate(args[2:]))))
