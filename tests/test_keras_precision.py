@@ -123,3 +123,35 @@ def test_loss_scaling_with_worker_fc_updates_is_refused(devices):
     parallel = _parallel(model, devices, fc_batch="worker")
     with pytest.raises(CompileError, match="fc_batch='global'"):
         parallel.compile(**_sgd())
+
+
+def _digits_net(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.Flatten(), keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10, activation="softmax")])
+
+
+@pytest.mark.slow
+def test_each_mixed_policy_trains_digits_to_the_float32_accuracy_within_a_point(devices):
+    """The bundled digits, K = 4, owt-b, 3 epochs, seeds 0-2: mean validation accuracy
+    under mixed_float16 and mixed_bfloat16 within 1 point of float32 (measured: 96.5 %
+    float32, 96.0 % float16, 95.9 % bfloat16)."""
+    from keras_models import digits
+
+    x, y, x_val, y_val = digits()
+    accuracy = {policy: [] for policy in ("float32", "float16", "bfloat16")}
+    for seed in (0, 1, 2):
+        for policy in accuracy:
+            with keras_policy(policy):
+                model = _digits_net(seed)
+            parallel = _parallel(model, devices)
+            parallel.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                             loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+            parallel.fit(x, y, batch_size=BATCH, epochs=3, verbose=0)
+            accuracy[policy].append(parallel.evaluate(x_val, y_val, batch_size=64, verbose=0)[1])
+    mean = {policy: float(np.mean(a)) for policy, a in accuracy.items()}
+    assert mean["float32"] > 0.9, accuracy
+    for policy in ("float16", "bfloat16"):
+        assert abs(mean[policy] - mean["float32"]) <= 0.01, accuracy
