@@ -233,7 +233,7 @@ def test_engine_samples_with_a_rate_below_one(devices):
 
 
 # -- a many-class task learns as well at r = 0.1 ---------------------------------------------
-def _prototype_task(classes: int, dim: int, per_class: int, seed: int = 0):
+def _prototype_task(classes: int, dim: int, per_class: int, noise: float, seed: int = 0):
     """Features that are noisy copies of a random prototype per class."""
     rng = np.random.default_rng(seed)
     prototypes = rng.normal(size=(classes, dim)).astype(np.float32)
@@ -241,7 +241,7 @@ def _prototype_task(classes: int, dim: int, per_class: int, seed: int = 0):
     def draw(n):
         y = np.tile(np.arange(classes), n)
         rng.shuffle(y)
-        x = prototypes[y] + 1.0 * rng.normal(size=(len(y), dim)).astype(np.float32)
+        x = prototypes[y] + noise * rng.normal(size=(len(y), dim)).astype(np.float32)
         return x.astype(np.float32), y.astype(np.int32)
 
     return draw(per_class), draw(2)
@@ -258,17 +258,19 @@ def _prototype_model(classes: int, dim: int) -> keras.Model:
 
 @pytest.mark.slow
 def test_many_class_task_learns_as_well_at_a_tenth(devices):
+    """1000 classes, a linear head on noisy class prototypes, 141 steps of 128 rows: r=0.1
+    (each step's softmax: its <= 128 labels and ~100 random classes) ends within one
+    accuracy point of r=1 (measured: 95.5 % against 95.9 %; ~25 s)."""
     classes, dim = 1000, 32
-    (x, y), (vx, vy) = _prototype_task(classes, dim, per_class=8)
+    (x, y), (vx, vy) = _prototype_task(classes, dim, per_class=6, noise=0.8)
     accuracy = {}
     for rate in (1.0, 0.1):
         parallel = _parallel(_prototype_model(classes, dim), devices, rate,
-                             keras.optimizers.SGD(0.5, momentum=0.9))
-        parallel.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
-        accuracy[rate] = parallel.evaluate(vx, vy, batch_size=64, verbose=0,
+                             keras.optimizers.SGD(1.0, momentum=0.9))
+        parallel.fit(x, y, batch_size=128, epochs=3, shuffle=False, verbose=0)
+        accuracy[rate] = parallel.evaluate(vx, vy, batch_size=256, verbose=0,
                                            return_dict=True)["accuracy"]
-    print(accuracy)
-    assert accuracy[1.0] > 0.5
+    assert accuracy[1.0] > 0.9, accuracy
     assert accuracy[0.1] > accuracy[1.0] - 0.01, accuracy
 
 
