@@ -122,7 +122,8 @@ class DataConfig:
         False, "let TFDS download and prepare a tfds:NAME dataset that is not prepared yet")
     classes: Optional[int] = _flag(
         None, "--dataset synthetic only: how many classes its labels take (default 10; a "
-        "large head's benchmark runs take 10^5 or more); other datasets have their own")
+        "large head's benchmark runs take 10^5 or more); other datasets have their own",
+        kind=int)
     # digits and synthetic are held in memory and never augmented.
     augment: str = _flag(
         "auto",
@@ -160,6 +161,11 @@ class ParallelConfig:
     loss: str = _flag(
         "gathered", "gathered (all-gather logits) or sharded (class-sharded softmax "
                     "cross-entropy)", choices=LOSS_MODES)
+    sample_rate: float = _flag(
+        1.0, "Partial FC class sampling, with --loss sharded: each FC update's softmax keeps, "
+             "on every shard, the classes labelled in its rows plus random others, this share "
+             "of the shard's classes in all (0 < R <= 1; 1: every class, the exact loss); "
+             "evaluation uses every class")
     precision: str = _flag(
         "fp32", "compute dtype of the trunk and the FC shards, and of the activations they "
                 "exchange: fp32, bf16 or fp16 (float32 weights, optimizer state and loss; fp16 "
@@ -171,7 +177,8 @@ class ParallelConfig:
         --scheme auto, until the Trainer chooses, owt-b's (it checks the flags auto keeps)."""
         with _as_flag_error():
             return ParallelPlan("owt-b" if self.scheme == AUTO else self.scheme, self.fc_batch,
-                                self.fc_exchange, self.loss, self.jit, self.precision)
+                                self.fc_exchange, self.loss, self.jit, self.precision,
+                                self.sample_rate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,6 +393,9 @@ class RunConfig:
             plan.check_devices(k).check_batch(k, p.batch_size)
         with _as_flag_error():
             check_auto_processes(p.scheme, self.num_workers)
+        if p.sample_rate < 1 and (p.scheme == AUTO or p.loss != "sharded"):
+            raise ConfigError("--sample-rate", "< 1 samples classes in the class-sharded "
+                              "cross-entropy: needs --loss sharded (and a --scheme, not auto)")
         self._check_model_fits()
         self._check_run()
         return self
@@ -543,6 +553,7 @@ def lr_scale(rule: str, batch_ratio: float) -> float:
 
 _PLAN_FLAGS = {"scheme": "--scheme", "fc_batch": "--fc-batch", "fc_exchange": "--fc-exchange",
                "loss": "--loss", "jit": "--jit", "precision": "--precision",
+               "sample_rate": "--sample-rate",
                "devices": "--devices",
                "batch_size": "--batch-size"}
 

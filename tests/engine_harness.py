@@ -88,26 +88,30 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
                            fc_exchange: str = "gather", loss: str = "gathered",
                            steps: int = 3, classes: int = 10, jit: bool = False,
                            model: str = "alexnet_tiny", precision: str = "fp32",
-                           he: bool = True, fc_lr: float = FC_LR) -> Dict[str, float]:
+                           he: bool = True, fc_lr: float = FC_LR,
+                           sample_rate: float = 1.0) -> Dict[str, float]:
     """Worst relative error of loss, gradients and weights over `steps` steps, and the ledger.
-    `he`: start from he_scaled weights (else the library's own draws)."""
+    `he`: start from he_scaled weights (else the library's own draws). `sample_rate`: the
+    strategy's Partial FC rate (the steps then get a seed; the reference samples nothing)."""
     spec = build_model(model, num_classes=classes, dropout=0.0)
     spec = he_scaled(spec, seed=7) if he else spec
     hybrid = HybridStrategy(devices[:k], scheme, batch, fc_batch, fc_exchange, loss, jit=jit,
-                            precision=precision)
+                            precision=precision, sample_rate=sample_rate)
     model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed=7)
     optim = build_optimizer(hybrid, model, CONV_LR, fc_lr, MOMENTUM, WD)
     ref = ReferenceModel(spec, seed=7)
     rounds = [hybrid.engine.rounds.round_rows(r) for r in range(hybrid.engine.rounds.num_rounds)]
 
     @tf.function
-    def step(x, y):
-        return hybrid.engine.train_step(model, optim, x, y, None, with_grads=True)
+    def step(x, y, seed):
+        return hybrid.engine.train_step(model, optim, x, y, seed, with_grads=True)
 
     worst = {"loss": 0.0, "trunk_grads": 0.0, "fc_grads": 0.0, "weights": 0.0, "updates": 0.0}
     start = ref.weights()
-    for x, y in random_batches(steps, k * batch, classes):
-        out = step(hybrid.placement.distribute_global_batch(x), hybrid.placement.distribute_global_batch(y))
+    for i, (x, y) in enumerate(random_batches(steps, k * batch, classes)):
+        seed = None if sample_rate == 1.0 else tf.constant([7, i], tf.int32)
+        out = step(hybrid.placement.distribute_global_batch(x), hybrid.placement.distribute_global_batch(y),
+                   seed)
         expect = ref.step(x, y, rounds, fc_batch, CONV_LR, fc_lr, MOMENTUM, WD)
         loss = float(out["loss_sum"]) / int(out["count"])
         worst["loss"] = max(worst["loss"], abs(loss - expect["loss"]) / abs(expect["loss"]))

@@ -101,7 +101,7 @@ def resolve_auto(requested: ParallelPlan, net: Optional[NetworkCost], devices: S
                     schemes, hidden, note, requested.precision)
     fc_batch = requested.fc_batch if Scheme(choice.scheme).has_rounds else "global"
     plan = ParallelPlan(choice.scheme, fc_batch, choice.fc_exchange, choice.loss, requested.jit,
-                        requested.precision)
+                        requested.precision, requested.sample_rate)
     if batch_size is not None:
         plan.check_batch(num_replicas, batch_size)
     return plan, choice

@@ -323,6 +323,13 @@ class ParallelModel(HeadViewMixin, keras.Model):
         spec = self.head.spec
         on_shards, k, why = loss_on_shards(loss, metrics, weighted_metrics,
                                            spec.output_activation, spec.num_classes)
+        rate = self._hybrid.parallel_plan.sample_rate
+        if rate < 1 and on_shards is None:
+            raise CompileError(f"sample_rate={rate:g} samples classes in the cross-entropy "
+                               f"computed on the shards, but {why}")
+        if rate < 1 and on_shards.label_smoothing:
+            raise CompileError(f"sample_rate={rate:g} with label_smoothing: smoothing spreads "
+                               "labels over every class, sampling drops most of them")
         if on_shards is None and self._hybrid.parallel_plan.loss == "sharded":
             if self._hybrid.auto_choice is None:
                 raise CompileError(f"HybridStrategy(loss='sharded'): {why}, so the loss cannot "

@@ -22,7 +22,7 @@ from owt_tf.devices import (make_multiworker_strategy, make_strategy, outside_st
                             replica_devices)
 from owt_tf.models.spec import ModelSpec
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.plan import ParallelPlan
+from owt_tf.parallel.plan import ParallelPlan, PlanError
 from owt_tf.parallel.precision import keras_policy
 from owt_tf.parallel.shards import ShardedHead, ShardReader, read_local_shards
 
@@ -95,6 +95,9 @@ class Placement:
         """Trunk mirrored on every device; FC shard k on devices[k] (or mirrored for 'data').
         Both compute in the plan's precision (a user's model: in its own dtype policy), with
         float32 weights."""
+        if plan.sample_rate < 1 and plan.loss != "sharded":  # Keras' compile picks its own
+            raise PlanError("sample_rate", "< 1 samples classes in the class-sharded "
+                            "cross-entropy: needs loss='sharded'")
         with self.strategy.scope(), keras_policy(plan.compute_dtype):
             trunk = spec.build_trunk()
         trunk_weights, full = spec.initial_weights_for(trunk, seed)
@@ -115,7 +118,7 @@ class Placement:
             # A thread of its own: the caller may be inside a strategy scope.
             return outside_strategy_scope(lambda: ShardedHead(
                 spec, full_weights, self.devices, plan.fc_exchange, plan.loss,
-                local=self.local_replicas, compute_dtype=dtype))
+                local=self.local_replicas, compute_dtype=dtype, sample_rate=plan.sample_rate))
         with self.strategy.scope():
             return ShardedHead(spec, full_weights, [None], "gather", "gathered",
                                compute_dtype=dtype)

@@ -126,6 +126,13 @@ def widths_problem(hidden_widths: Sequence[int], num_replicas: int,
     return None
 
 
+def sample_rate_problem(rate) -> Optional[str]:
+    """Why `rate` is not a Partial FC sample rate: a number in (0, 1] (1: every class)."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 < rate <= 1.0:
+        return f"must be a number in (0, 1], got {rate!r}"
+    return None
+
+
 class PlanError(ValueError):
     """A plan that cannot work; `field` names the ParallelPlan field (or 'devices',
     'batch_size', 'model') at fault."""
@@ -153,6 +160,9 @@ class ParallelPlan:
     loss: str = "gathered"
     jit: bool = False
     precision: str = "fp32"
+    # Partial FC (owt_tf.parallel.class_sampling): the share of each shard's classes a
+    # training update's softmax keeps; 1: all (the exact loss).
+    sample_rate: float = 1.0
 
     def __post_init__(self):
         _choice("scheme", str(getattr(self.scheme, "value", self.scheme)), SCHEMES)
@@ -161,6 +171,12 @@ class ParallelPlan:
         _choice("fc_exchange", self.fc_exchange, FC_EXCHANGES)
         _choice("loss", self.loss, LOSS_MODES)
         _choice("precision", self.precision, tuple(PRECISIONS))
+        problem = sample_rate_problem(self.sample_rate)
+        if problem:
+            raise PlanError("sample_rate", problem)
+        if self.sample_rate < 1 and not self.scheme.model_parallel:
+            raise PlanError("sample_rate", "< 1 samples the classes of a sharded head; scheme "
+                            "'data' mirrors it")
         if self.fc_batch == "worker" and not self.scheme.allows_worker_fc_batch:
             raise PlanError("fc_batch", "'worker' needs scheme owt-b or owt-c (rounds of one "
                             f"worker's batch), got {self.scheme}")

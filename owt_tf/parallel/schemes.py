@@ -125,11 +125,24 @@ def _forward(plan: StepRounds, head: ShardedHead, rounds: Sequence[int], inputs:
             tape.watch(x)
         with coll.deferred_backward(tape) if defer else contextlib.nullcontext([]) as cuts:
             logits = head.forward_rounds(inputs, shard, training, seeds, rounds)
-            terms = head.loss_terms_rounds(logits, labels, shard, rounds)
+            terms = head.loss_terms_rounds(logits, labels, shard, rounds,
+                                           _sample_seed(head, training, seeds))
         if weights is not None:  # Keras' weighted reduction: sum(loss x weight) / rows
             terms = [(ce * w, right, out) for (ce, right, out), w in zip(terms, weights)]
         losses = [tf.reduce_mean(ce) * loss_weight for ce, _, _ in terms]
     return _Forward(tape, inputs, losses, terms, cuts)
+
+
+def _sample_seed(head: ShardedHead, training: bool,
+                 seeds: Sequence[Optional[tf.Tensor]]) -> Optional[tf.Tensor]:
+    """The seed of this FC update's class sample (Partial FC): its first round's, so an
+    update of several rounds (fc_batch='global') samples once for all of them, and each
+    round of fc_batch='worker' (an update of its own) samples anew. None: no sampling."""
+    if not training or head.sample_rate >= 1.0:
+        return None
+    if seeds[0] is None:
+        raise ValueError("sample_rate < 1 needs the step's seed (train_step(seed=...))")
+    return seeds[0]
 
 
 def _gradients(fwd: _Forward, sources: List[tf.Tensor],

@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.models.spec import HeadSpec
+from owt_tf.parallel import class_sampling
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.plan import widths_problem
 from owt_tf.parallel.sharded_metrics import (LOWEST, ShardedLoss, TopCandidates, best_of,
@@ -171,7 +172,7 @@ class ShardedHead(tf.Module):
     def __init__(self, spec: HeadSpec, full_weights: Sequence[Tuple[np.ndarray, np.ndarray]],
                  devices: Sequence[Optional[str]], fc_exchange: str = "gather",
                  loss: str = "gathered", local: Optional[Sequence[int]] = None,
-                 compute_dtype: str = "float32"):
+                 compute_dtype: str = "float32", sample_rate: float = 1.0):
         super().__init__(name="head")
         k = len(devices)
         problem = widths_problem(spec.hidden, k, spec.names[:-1] or None)
@@ -180,6 +181,9 @@ class ShardedHead(tf.Module):
         self.spec = spec
         self.num_shards = k
         self.loss_mode = loss
+        # Partial FC: the share of each shard's classes a training update's softmax keeps
+        # (owt_tf.parallel.class_sampling); 1: all, the exact loss.
+        self.sample_rate = class_sampling.check_sample_rate(sample_rate)
         # What the FC layers compute in and their inputs and outputs travel in; the loss is
         # always float32 (a bfloat16 or float16 softmax loses the small probabilities).
         self.compute_dtype = tf.as_dtype(compute_dtype)
@@ -323,13 +327,22 @@ class ShardedHead(tf.Module):
         return self.loss_terms_rounds([logits_shard], [labels], k)[0]
 
     def loss_terms_rounds(self, logits_shards: Sequence[tf.Tensor], labels: Sequence[tf.Tensor],
-                          k: int, rounds: Optional[Sequence[int]] = None
+                          k: int, rounds: Optional[Sequence[int]] = None,
+                          sample_seed: Optional[tf.Tensor] = None
                           ) -> List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]:
         """`loss_terms` of several rounds (named as in forward_rounds), each collective once
-        for all of them."""
+        for all of them. `sample_seed`: a training update's seed; with sample_rate < 1 the
+        softmax then covers the classes `sampled_mask` keeps (one sample for all the rounds
+        given: they make one FC update). Without it (evaluation), every class."""
         per_round = functools.partial(_per_round, rounds=rounds)
-        if self.loss_mode == "sharded" and self.num_shards > 1:
-            return self._sharded_cross_entropy(logits_shards, labels, k, per_round)
+        sampled = None
+        if sample_seed is not None and self.sample_rate < 1.0:
+            if self.loss_mode != "sharded":
+                raise ValueError(f"sample_rate={self.sample_rate:g} needs the class-sharded "
+                                 "cross-entropy (loss='sharded')")
+            sampled = self.sampled_mask(labels, k, sample_seed, logits_shards[0].shape[1])
+        if self.loss_mode == "sharded" and (self.num_shards > 1 or sampled is not None):
+            return self._sharded_cross_entropy(logits_shards, labels, k, per_round, sampled)
         logits_all = list(logits_shards)
         if self.num_shards > 1:
             logits_all = self._gather(logits_all, coll.LOGITS)
@@ -348,6 +361,18 @@ class ShardedHead(tf.Module):
                   else tf.argmax(labels, axis=-1, output_type=tf.int64))
         correct = tf.equal(tf.argmax(logits, axis=1, output_type=tf.int64), target)
         return ce, correct, outputs
+
+    def sampled_mask(self, labels: Sequence[tf.Tensor], k: int, update_seed: tf.Tensor,
+                     width: Optional[int] = None) -> tf.Tensor:
+        """bool [width]: the columns of shard k an FC update with these rows' `labels` (every
+        round of the update) keeps under Partial FC, seeded by `update_seed` (int32 [2])."""
+        width = width or self.layers[-1].padded_out // self.num_shards
+        first = k * width
+        sparse = self.sharded_loss is None or self.sharded_loss.sparse
+        positives = class_sampling.shard_positives(labels, first, width, sparse)
+        num_valid = min(width, max(0, self.spec.num_classes - first))
+        return class_sampling.sampled_classes(positives, num_valid, self.sample_rate,
+                                              class_sampling.shard_seed(update_seed, k))
 
     def _class_range(self, logits: tf.Tensor, k: int) -> Tuple[int, tf.Tensor]:
         """Shard k's first class id and which of its columns are classes (not padding)."""
@@ -370,12 +395,18 @@ class ShardedHead(tf.Module):
             return [unpack_gathered(g, self.num_shards, top) for g in gathered]
         return [(g, None) for g in gathered]
 
-    def _sharded_cross_entropy(self, logits_shards, labels, k, per_round):
+    def _sharded_cross_entropy(self, logits_shards, labels, k, per_round, sampled=None):
         # float32 from here: sums of exponentials need its precision; what travels is
         # [n, 2 or 3] per round, and [n, 2 * candidates] for the metrics, not [n, classes].
         logits_shards = [tf.cast(l, tf.float32) for l in logits_shards]
         width = logits_shards[0].shape[1]
         first, valid = self._class_range(logits_shards[0], k)
+        if sampled is not None:
+            # Unsampled classes leave this update's softmax as padding does: out of the
+            # normalizer, the max and the candidates (the training metrics rank the sampled
+            # classes), so their logits get an exact zero gradient.
+            valid = valid & sampled
+            logits_shards = [tf.where(sampled[None, :], l, LOWEST) for l in logits_shards]
         loss = self.sharded_loss or ShardedLoss()
         top = min(max(self.candidates_k, 1), width)
         tops = self._top_gathered(logits_shards, k, per_round, top)

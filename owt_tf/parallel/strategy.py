@@ -59,19 +59,27 @@ class HybridStrategy:
     CLI's Trainer once its model is built. `fc_exchange` and `loss` given with it are then
     ignored; `fc_batch` and `jit` are kept. One process only: the workers of a cluster
     could measure different hardware and pick different schemes.
+
+    `sample_rate` r in (0, 1]: Partial FC class sampling (owt_tf.parallel.class_sampling).
+    Each training update's softmax covers, on every shard, the classes labelled in the
+    update's rows plus random others, ceil(r x the shard's classes) in all; 1 (default) is
+    the exact loss. r < 1 needs the class-sharded cross-entropy: the CLI's loss='sharded',
+    or a Keras compile whose loss and metrics the shards compute (docs/keras.md, "Large
+    heads"). Evaluation and prediction always use every class.
     """
 
     def __init__(self, devices: Union[int, Sequence[str]] = 2, scheme: str = "owt-b",
                  batch_size: Optional[int] = None, fc_batch: str = "global",
                  fc_exchange: str = "gather", loss: str = "gathered", jit: bool = False,
-                 cluster: Optional[Cluster] = None, precision: str = "fp32"):
+                 cluster: Optional[Cluster] = None, precision: str = "fp32",
+                 sample_rate: float = 1.0):
         auto = str(scheme) == AUTO
         if cluster is None:
             cluster = resolve_cluster()  # TF_CONFIG; None in a one-process run
         check_auto_processes(scheme, cluster.num_workers if cluster is not None else 1)
         # Until choose_scheme: owt-b's plan checks the flags auto keeps (fc_batch, jit).
         requested = ParallelPlan("owt-b" if auto else scheme, fc_batch, fc_exchange, loss, jit,
-                                 precision)
+                                 precision, sample_rate)
         if isinstance(devices, int):
             requested.check_devices(devices)
             from owt_tf.devices import setup_devices

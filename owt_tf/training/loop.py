@@ -117,7 +117,8 @@ class Trainer:
         try:
             self.hybrid = HybridStrategy(self.devices, p.scheme, p.batch_size, p.fc_batch,
                                          p.fc_exchange, p.loss, jit=p.jit,
-                                         cluster=config.cluster.resolved, precision=p.precision)
+                                         cluster=config.cluster.resolved, precision=p.precision,
+                                         sample_rate=p.sample_rate)
         except PlanError as err:
             raise ConfigError("--" + err.field.replace("_", "-"), err.message) from None
         probe = _model_spec(config, None)

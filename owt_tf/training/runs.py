@@ -30,9 +30,10 @@ def load_run(logdir: str) -> Trainer:
     recorded = RunConfig.from_dict(saved)
     # One device in this process, whatever the run was (several workers included: the
     # cluster is not resolved, so none is joined); the run's own export target is not this
-    # export's.
+    # export's. No class sampling: it is a training device, and needs the sharded loss.
     config = recorded.replace(scheme="single", devices=1, fc_batch="global",
-                              fc_exchange="gather", loss="gathered", logdir=logdir,
+                              fc_exchange="gather", loss="gathered", sample_rate=1.0,
+                              logdir=logdir,
                               batch_size=min(64, recorded.parallel.batch_size),
                               export_dir=None)
     config = dataclasses.replace(config, cluster=ClusterConfig())
