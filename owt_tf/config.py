@@ -122,7 +122,8 @@ class DataConfig:
         False, "let TFDS download and prepare a tfds:NAME dataset that is not prepared yet")
     classes: Optional[int] = _flag(
         None, "--dataset synthetic only: how many classes its labels take (default 10; a "
-        "large head's benchmark runs take 10^5 or more); other datasets have their own")
+        "large head's benchmark runs take 10^5 or more); other datasets have their own",
+        kind=int)
     # digits and synthetic are held in memory and never augmented.
     augment: str = _flag(
         "auto",
