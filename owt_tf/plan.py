@@ -38,6 +38,7 @@ from owt_tf.config import FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS, 
 from owt_tf.models.cost import NetworkCost, network_cost
 from owt_tf.models.registry import MODEL_NAMES
 from owt_tf.parallel.plan import Scheme
+from owt_tf.parallel.auto import head_reason
 from owt_tf.parallel.cost_model import (HARDWARE_NAMES, Prediction, paper_rows, preset,
                                         rank, runner_up, table,
                                         train_command)
@@ -60,14 +61,23 @@ def format_table(rows: Iterable[Prediction]) -> str:
     return "\n".join(lines)
 
 
-def format_recommendation(k: int, ranked: List[Prediction], model: str, dataset: str) -> str:
-    """The choice at K with its figures (those of its table row), the runner-up, and the
-    train command that runs the choice."""
+def format_recommendation(k: int, ranked: List[Prediction], model: str, dataset: str,
+                          why: str = "") -> str:
+    """The choice at K with its figures (those of its table row), the runner-up, why (the
+    head's share of the parameters, for a model-parallel choice), and the train command
+    that runs the choice."""
     best, second = ranked[0], runner_up(ranked)
     line = f"recommend K={k}: {describe(best)}"
     if second is not None:
         line += f"; runner-up {describe(second)}"
+    if why:
+        line += f"; why: {why}"
     return line + f"\n  {train_command(best, model, dataset)}"
+
+
+def why_chosen(net: NetworkCost, best: Prediction) -> str:
+    """`scheme="auto"`'s reason for a model-parallel choice; empty otherwise."""
+    return head_reason(net) if Scheme(best.scheme).exchanges_activations else ""
 
 
 def _record(p: Optional[Prediction]) -> Optional[dict]:
@@ -170,7 +180,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             payload["recommend"] = {
                 str(k): {"choice": dataclasses.asdict(r[0]),
                          "runner_up": _record(runner_up(r)),
-                         "command": train_command(r[0], args.model, args.dataset)}
+                         "command": train_command(r[0], args.model, args.dataset),
+                         "why": why_chosen(net, r[0])}
                 for k, r in ranked.items()}
         if paper:
             payload["paper"] = paper
@@ -184,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(format_layers(net))
     print(format_table(rows))
     for k, r in ranked.items():
-        print(format_recommendation(k, r, args.model, args.dataset))
+        print(format_recommendation(k, r, args.model, args.dataset, why_chosen(net, r[0])))
     for r in paper:
         print(f"paper K={r['devices']} {r['batch']:<12} predicted {r['predicted']:.2f}x, "
               f"paper {r['paper']:.2f}x ({100 * r['error']:+.1f} %)")

@@ -53,6 +53,24 @@ def test_fallback_when_the_model_cannot_be_counted():
     assert auto.choose(None, hw, 1, 32).scheme == "single"
 
 
+@pytest.mark.parametrize("hardware", ["k20-pcie", "h100-nvlink"])
+def test_a_huge_head_is_sharded_and_the_line_says_why(hardware):
+    """A million classes: the class layer is 4.1 G of AlexNet's 4.15 G parameters; data
+    parallelism would all-reduce them every step. The planner shards the head, ranks data
+    below every model-parallel row, and the printed line names the head's share."""
+    huge = network_cost("alexnet", 1_000_000)
+    hw = cost_model.preset(hardware)
+    ranked = cost_model.rank(huge, hw, 4, 32)
+    data = next(i for i, p in enumerate(ranked) if p.scheme == "data")
+    assert ranked[0].scheme in ("owt-a", "owt-b", "owt-c")
+    assert all(p.scheme in ("owt-a", "owt-b", "owt-c") for p in ranked[:data])
+    choice = auto.choose(huge, hw, 4, 32)
+    assert choice.scheme == ranked[0].scheme
+    assert "why: the head holds 4151.5 M of 4154.0 M parameters (99.9 %" in choice.line
+    assert "the 1,000,000-class layer 4097.0 M" in choice.line
+    assert auto.choose(network_cost("alexnet", 1000), hw, 1, 32).reason == ""  # single
+
+
 def test_gpu_names_map_to_presets():
     assert auto.gpu_preset("NVIDIA H200") == "h200-nvlink"
     assert auto.gpu_preset("NVIDIA H100 80GB HBM3") == "h100-nvlink"
@@ -98,6 +116,7 @@ def test_parallelize_chooses_for_the_users_model_and_fits(devices, capsys):
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
     line = capsys.readouterr().out
     assert f"--scheme auto chose {strategy.scheme}" in line
+    assert "why: the head holds" in line
     assert strategy.scheme in ("owt-a", "owt-b", "owt-c")  # parallelize shards the head
     x, y = random_data(32)
     history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 from owt_tf.parallel import traffic
 
 KEYS = {"model", "scheme", "devices", "batch_size", "fc_batch", "jit", "images_per_sec",
@@ -37,3 +39,38 @@ def test_bench_rejects_unknown_scheme():
     proc = subprocess.run([sys.executable, "-m", "owt_tf.bench", "--schemes", "owt-q"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--schemes" in proc.stderr
+
+
+def test_big_head_runs_both_trainers_in_fresh_processes(tmp_path):
+    """`--big-head` at a tiny size: owt_tf (parallelize + fit, the head as 2 shards, loss on
+    the shards, no logits gather) and plain Keras under MirroredStrategy each train in their
+    own process, and the ratios are the quotients of their figures. Same model, weights and
+    batches: the losses fit reports agree, so the owt process really trained."""
+    from owt_tf.parallel import collectives as coll
+
+    out = tmp_path / "big_head.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "owt_tf.bench", "--big-head", "--classes", "64", "--devices", "2",
+         "--batch-size", "8", "--steps", "2", "--warmup", "1", "--out", str(out)],
+        capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    owt, mirrored = data["records"]
+    assert (owt["runner"], mirrored["runner"]) == ("owt_tf", "mirrored")
+    for r in (owt, mirrored):
+        assert r["classes"] == 64 and r["devices"] == 2 and r["global_batch"] == 16
+        assert r["steps"] == 2 and len(r["step_times_s"]) == 2 and r["step_time_s"] > 0
+        assert r["peak_rss_bytes"] >= r["baseline_rss_bytes"] > 0
+        assert len(r["losses"]) == 3 and r["bytes_per_step"] > 0
+    assert owt["how"].startswith("owt_tf.parallelize owt-b")
+    assert (owt["loss_mode"], owt["head_shards"]) == ("sharded", 2)
+    # gathering the logits: each device's [16 rows, 32 classes] shard to the other
+    gathered_logits = coll.all_gather_cost(16 * 32 * 4, 2)
+    assert 0 < owt["bytes_by_purpose"]["logits"] < gathered_logits / 4
+    assert mirrored["bytes_by_purpose"]["fc_grad"] == coll.all_reduce_cost((256 * 64 + 64) * 4, 2)
+    np.testing.assert_allclose(owt["losses"], mirrored["losses"], rtol=1e-4)
+    ratios = data["ratios"]
+    assert ratios["peak_rss"] == owt["peak_rss_bytes"] / mirrored["peak_rss_bytes"]
+    assert ratios["step_time"] == owt["step_time_s"] / mirrored["step_time_s"]
+    assert "owt_tf / MirroredStrategy: peak memory" in proc.stdout

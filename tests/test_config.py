@@ -244,6 +244,8 @@ def test_text_flags_are_parsed_once_into_values():
         RunConfig.from_flags(lr_decay_epochs=(3.0, 1.0)).validate()
     with pytest.raises(ConfigError, match="--profile-steps: need 1 <= A <= B"):
         RunConfig.from_flags(profile_steps=(4, 2)).validate()
+    big = parse_config(["--dataset", "synthetic", "--classes", "100000"]).validate()
+    assert big.data.classes == 100_000  # an int, as from_flags gives it
 
 
 def test_presets_are_configs_and_flags_override_them():

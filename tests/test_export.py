@@ -225,3 +225,34 @@ def test_onnx_through_tf2onnx_and_onnxruntime(trained, exported, tmp_path):
         want = _served(trained, exported, images)
         np.testing.assert_allclose(got["probabilities"], want["probabilities"], atol=1e-5)
         np.testing.assert_array_equal(got["top5"], want["top5"])
+
+
+def test_a_large_padded_head_exports_and_serves_top5(devices, tmp_path):
+    """5,003 classes at K=4 (the class layer padded to 5,004 on the shards), trained with the
+    loss on the shards: the export serves the 5,003 classes' probabilities and their top 5,
+    never a padding column."""
+    config = RunConfig.from_flags(dataset="synthetic", classes=5003, steps=2, eval_every=0,
+                                  devices=4, batch_size=8, scheme="owt-b", loss="sharded",
+                                  logdir=str(tmp_path / "run"))
+    trainer = Trainer(config, devices=devices[:4])
+    trainer.fit(log=lambda line: None, progress=False)
+    out = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
+                             str(tmp_path / "model"))
+    images = trainer.dataset.val_images[:12]
+    np.save(tmp_path / "images.npy", images)
+    logits = trainer.predict_logits(images)
+    assert logits.shape == (12, 5003)
+    code = textwrap.dedent(f"""
+        import numpy as np, tensorflow as tf
+        model = tf.saved_model.load({out!r})
+        out = model.signatures["serving_default"](images=tf.constant(np.load("images.npy")))
+        np.save("probs.npy", out["probabilities"].numpy())
+        np.save("top5.npy", out["top5"].numpy())
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    probs, top5 = np.load(tmp_path / "probs.npy"), np.load(tmp_path / "top5.npy")
+    assert probs.shape == (12, 5003) and top5.shape == (12, 5)
+    np.testing.assert_array_equal(top5, np.argsort(-logits, axis=1, kind="stable")[:, :5])
+    assert json.loads((Path(out) / "owt_tf_export.json").read_text())["num_classes"] == 5003

@@ -12,6 +12,10 @@ paper's AlexNet at K=8 is counted without K GPUs' worth of compute.
 `--input folder:PATH|tfds:NAME` times the input pipeline instead of the model: training
 batches (global batch B x max K, the model's input size) against bare decoding of the same
 records, in alternating rounds in one process; images/s and per core.
+
+`--big-head` times a huge classifier head through Keras `fit` instead: owt_tf's
+`parallelize` against plain Keras under MirroredStrategy, each in a fresh process, peak
+memory and step time side by side (owt_tf.experiments.big_head).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from typing import Dict, List, Optional
 from owt_tf.cli import OneLineParser
 from owt_tf.config import PRECISIONS, SCHEMES, ConfigError
 from owt_tf.parallel.plan import Scheme
+
+DEFAULT_SCHEMES = "single,data,owt-a,owt-b,owt-c"
 
 
 @dataclasses.dataclass
@@ -59,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="alexnet_tiny", help="alexnet, alexnet_tiny, vgg16 or vgg_tiny")
     p.add_argument("--devices", default="4", help="comma-separated K values, e.g. 1,2,4,8")
-    p.add_argument("--schemes", default="single,data,owt-a,owt-b,owt-c",
-                   help="comma-separated schemes to measure side by side")
+    p.add_argument("--schemes", default=None,
+                   help="comma-separated schemes to measure side by side (default "
+                        f"{DEFAULT_SCHEMES}; with --big-head: the one owt scheme, default owt-b)")
     p.add_argument("--batch-size", type=int, default=32, help="examples per replica (device) per step (B)")
     p.add_argument("--image-size", type=int, default=None, help="input side (none: the model's)")
     p.add_argument("--classes", type=int, default=1000, help="classes of the last FC layer")
@@ -82,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", default=None, metavar="DATASET",
                    help="time the input pipeline of folder:PATH or tfds:NAME instead of steps")
     p.add_argument("--data-dir", default=None, help="TFDS data directory (with --input tfds:NAME)")
+    p.add_argument("--big-head", action="store_true",
+                   help="a conv trunk + Dense(--classes) head through Keras fit: owt_tf against "
+                        "MirroredStrategy over the same K devices, each in a fresh process")
+    p.add_argument("--baseline", default="mirrored", choices=("mirrored", "none"),
+                   help="with --big-head: none runs owt_tf alone (a head MirroredStrategy "
+                        "cannot hold)")
     return p
 
 
@@ -332,12 +345,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.devices = _parse_list(args.devices, int)
-        args.schemes = _parse_list(args.schemes)
+        args.schemes = _parse_list(args.schemes or
+                                   ("owt-b" if args.big_head else DEFAULT_SCHEMES))
         args.precision = _parse_list(args.precision)
         _check(args)
     except (ConfigError, ValueError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
+    if args.big_head:
+        return _big_head_main(parser, args)
     if args.input:
         try:
             records = run_input_bench(args)
@@ -351,6 +367,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.out:
         _write_json(args.out, records)
     return 0
+
+
+def _big_head_main(parser, args) -> int:
+    """`--big-head`: one K, one owt scheme; the global batch is B*K for both runners."""
+    from owt_tf.experiments import big_head
+
+    owt = [s for s in args.schemes if Scheme(s).model_parallel]
+    if len(args.devices) != 1 or len(owt) != 1 or len(args.schemes) != 1:
+        print(f"{parser.prog}: error: --big-head measures one K (--devices) and one "
+              "model-parallel scheme (--schemes owt-a|owt-b|owt-c)", file=sys.stderr)
+        return 2
+    runners = big_head.RUNNERS if args.baseline == "mirrored" else ("owt_tf",)
+    k = args.devices[0]
+    records = big_head.run_big_head(big_head.BigHeadArgs(
+        args.classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners))
+    print(big_head.format_big_head_table(records))
+    if args.out:
+        big_head.write_json(args.out, records)
+    return 0 if len(records) == len(runners) else 1
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ class AutoChoice:
     choice: Optional[Prediction] = None  # None: the cost model could not count the model
     runner_up: Optional[Prediction] = None
     note: str = ""  # why the fallback was taken
+    reason: str = ""  # a model-parallel choice: the head's share of the parameters
 
     @property
     def line(self) -> str:
@@ -53,8 +54,27 @@ class AutoChoice:
         if self.runner_up is None:
             return line + "; no runner-up at one device"
         r = self.runner_up
-        return (line + f"; runner-up {_describe_flags(r.scheme, r.fc_exchange, r.loss)} "
-                f"{r.step_time_s * 1e3:.1f} ms/step" + (f" ({self.note})" if self.note else ""))
+        line += (f"; runner-up {_describe_flags(r.scheme, r.fc_exchange, r.loss)} "
+                 f"{r.step_time_s * 1e3:.1f} ms/step" + (f" ({self.note})" if self.note else ""))
+        return line + (f"; why: {self.reason}" if self.reason else "")
+
+
+def head_reason(net: NetworkCost) -> str:
+    """What a model-parallel head saves, in parameters: the head's share of the model (data
+    parallelism holds and all-reduces all of them on every device), and the class layer's
+    when it is most of the head."""
+    shape = net.shape
+    fan_in = shape.hidden[-1] if shape.hidden else shape.features
+    class_layer = fan_in * shape.num_classes + shape.num_classes
+    text = (f"the head holds {_millions(shape.fc_params)} of {_millions(net.params)} parameters "
+            f"({100 * shape.fc_params / net.params:.1f} %")
+    if class_layer * 2 > shape.fc_params:
+        text += f"; the {shape.num_classes:,}-class layer {_millions(class_layer)}"
+    return text + "), sharded over the devices instead of copied and all-reduced"
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.1f} M"
 
 
 def _describe_flags(scheme: str, fc_exchange: str, loss: str) -> str:
@@ -75,8 +95,9 @@ def choose(net: Optional[NetworkCost], hw: Hardware, k: int, batch_size: int,
                       precision=precision)
         if ranked:
             best = ranked[0]
+            reason = head_reason(net) if Scheme(best.scheme).exchanges_activations else ""
             return AutoChoice(best.scheme, best.fc_exchange, best.loss, hw.name, best,
-                              runner_up(ranked), note)
+                              runner_up(ranked), note, reason)
         note = note or f"no scheme of {', '.join(schemes)} runs at K={k} with this model"
     if k == 1:
         scheme = str(Scheme.SINGLE)

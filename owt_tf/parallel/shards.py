@@ -82,7 +82,8 @@ class ShardedDense(tf.Module):
     def split_full(self, kernel: np.ndarray, bias: np.ndarray) -> Tuple[List[np.ndarray], List[np.ndarray]]:
         """A whole (kernel, bias) -- weights or momenta -- cut into this layer's shards, padded."""
         pad = self.padded_out - self.out_dim
-        kernel = np.pad(kernel, [(0, 0), (0, pad)])
+        if pad:  # np.pad copies even when there is nothing to add: a whole head's worth
+            kernel = np.pad(kernel, [(0, 0), (0, pad)])
         return (np.split(kernel, self.num_shards, axis=1 if self.split == COL else 0),
                 np.split(np.pad(bias, [(0, pad)]), self.num_shards))
 

@@ -1,0 +1,308 @@
+"""`python -m owt_tf.bench --big-head`: a huge classifier head trained through Keras `fit`,
+owt_tf against tf.distribute.MirroredStrategy, each in its own fresh process.
+
+The model is a small conv trunk giving FEATURES-wide features on small images and one
+`Dense(classes)` softmax head, compiled with SparseCategoricalCrossentropy and SGD with
+momentum. One child process trains it with `owt_tf.parallelize(model).fit` (the head as K
+FC shards, loss and accuracy on the shards), another trains the same model with plain Keras
+`fit` under MirroredStrategy over the same K logical devices (every replica holds the whole
+head), same global batch. A fresh process each: the peak RSS (VmHWM) is then that run's
+alone. Each reports its median step time over the timed steps (a callback times every train
+batch, after the warm-up ones) and the bytes one replica sends per step: owt_tf's from the
+byte ledger of the traced step, MirroredStrategy's as the ring all-reduce of every gradient.
+The parent prints both and the ratios owt_tf / MirroredStrategy side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+FEATURES = 256  # width of the trunk's features, the head's input
+IMAGE_SIDE = 16
+RUNNERS = ("owt_tf", "mirrored")
+LEARNING_RATE, MOMENTUM = 0.01, 0.9
+
+
+@dataclasses.dataclass
+class BigHeadRecord:
+    runner: str  # "owt_tf" (parallelize + fit) or "mirrored" (MirroredStrategy + fit)
+    classes: int
+    features: int
+    devices: int
+    global_batch: int
+    warmup: int
+    steps: int  # timed
+    step_time_s: float  # median of the timed steps
+    step_times_s: List[float]
+    peak_rss_bytes: int  # the child process's VmHWM
+    baseline_rss_bytes: int  # its RSS once TensorFlow and the devices were up
+    bytes_per_step: float  # one replica sends per step (it receives as many)
+    bytes_by_purpose: Dict[str, float]
+    losses: List[float]  # the training loss after each batch, as fit reports it
+    how: str  # how it trained: "parallelize owt-b, loss on the shards", "MirroredStrategy"
+    loss_mode: Optional[str] = None  # owt_tf: model.head.loss_mode
+    head_shards: Optional[int] = None  # owt_tf: the FC shards of the class layer
+
+    @property
+    def peak_growth_bytes(self) -> int:
+        return self.peak_rss_bytes - self.baseline_rss_bytes
+
+
+def build_big_head_model(classes: int, features: int = FEATURES, side: int = IMAGE_SIDE):
+    """A small conv trunk (two convolutions, global average pooling to `features` values)
+    and a `Dense(classes)` softmax head: the head holds nearly every parameter."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((side, side, 3)),
+        keras.layers.Conv2D(64, 3, strides=2, activation="relu", name="conv1"),
+        keras.layers.Conv2D(features, 3, activation="relu", name="conv2"),
+        keras.layers.GlobalAveragePooling2D(name="pool"),
+        keras.layers.Dense(classes, activation="softmax", name="classes"),
+    ], name="big_head")
+
+
+def _compile(model) -> None:
+    import keras
+
+    model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM),
+                  loss=keras.losses.SparseCategoricalCrossentropy())
+
+
+def _synthetic_data(classes: int, rows: int, side: int = IMAGE_SIDE):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, side, side, 3)).astype(np.float32)
+    y = rng.integers(0, classes, size=(rows,)).astype(np.int32)
+    return x, y
+
+
+def _batch_timer():
+    """A Keras callback that records every train batch's wall time and loss."""
+    import keras
+
+    class BatchTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times: List[float] = []
+            self.losses: List[float] = []
+            self._start = 0.0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            loss = float(logs["loss"])  # waits for the step to finish
+            self.times.append(time.perf_counter() - self._start)
+            self.losses.append(loss)
+
+    return BatchTimer()
+
+
+def _proc_status_bytes(field: str) -> int:
+    """VmHWM (peak RSS) or VmRSS from /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _fit_and_time(model, classes: int, global_batch: int, warmup: int, steps: int):
+    x, y = _synthetic_data(classes, global_batch * (warmup + steps))
+    timer = _batch_timer()
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[timer])
+    return timer
+
+
+def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
+               steps: int, scheme: str) -> Dict:
+    """`owt_tf.parallelize(model).fit`; the step's collectives counted while it is traced."""
+    import gc
+
+    import owt_tf
+    from owt_tf.parallel import collectives as coll
+
+    plain = build_big_head_model(classes)  # outside the scope: not mirrored
+    strategy = owt_tf.HybridStrategy(devices=list(devices), scheme=scheme)
+    with strategy.scope():
+        model = owt_tf.parallelize(plain, seed=0)
+        _compile(model)
+    del plain  # the user's one-device copy is no longer needed once split
+    gc.collect()
+    with coll.recording(coll.TrafficLedger()) as ledger:
+        timer = _fit_and_time(model, classes, global_batch, warmup, steps)
+    return dict(timer=timer, bytes_per_step=float(ledger.total),
+                bytes_by_purpose=ledger.summary(), loss_mode=model.head.loss_mode,
+                head_shards=model.head.num_shards,
+                how=f"owt_tf.parallelize {strategy.scheme}, loss {model.head.loss_mode}")
+
+
+def _train_mirrored(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
+                    steps: int) -> Dict:
+    """Plain Keras `fit` under MirroredStrategy: every replica holds the whole model and
+    all-reduces every gradient."""
+    from owt_tf.devices import make_strategy
+    from owt_tf.parallel import collectives as coll
+
+    strategy = make_strategy(devices)
+    with strategy.scope():
+        model = build_big_head_model(classes)
+        _compile(model)
+    timer = _fit_and_time(model, classes, global_batch, warmup, steps)
+    head = model.get_layer("classes").trainable_variables
+    trunk = [v for v in model.trainable_variables if all(v is not h for h in head)]
+    sent = {coll.CONV_GRAD: _all_reduce_bytes(trunk, len(devices)),
+            coll.FC_GRAD: _all_reduce_bytes(head, len(devices))}
+    return dict(timer=timer, bytes_per_step=sum(sent.values()), bytes_by_purpose=sent,
+                how="tf.distribute.MirroredStrategy")
+
+
+def _all_reduce_bytes(variables, k: int) -> float:
+    """Bytes one replica sends to ring-all-reduce the gradients of `variables` over K."""
+    import numpy as np
+
+    from owt_tf.parallel import collectives as coll
+
+    nbytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+    return float(coll.all_reduce_cost(nbytes, k))
+
+
+def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int, steps: int,
+              scheme: str = "owt-b") -> BigHeadRecord:
+    """One runner's training, in this (fresh) process."""
+    import tensorflow as tf
+
+    from owt_tf.devices import setup_devices
+
+    tf.get_logger().setLevel("ERROR")
+    devices = setup_devices(k, "cpu")
+    baseline = _proc_status_bytes("VmRSS")
+    if runner == "owt_tf":
+        out = _train_owt(classes, devices, global_batch, warmup, steps, scheme)
+    else:
+        out = _train_mirrored(classes, devices, global_batch, warmup, steps)
+    timer = out.pop("timer")
+    timed = timer.times[warmup:]
+    return BigHeadRecord(
+        runner=runner, classes=classes, features=FEATURES, devices=k,
+        global_batch=global_batch, warmup=warmup, steps=len(timed),
+        step_time_s=statistics.median(timed), step_times_s=timed,
+        peak_rss_bytes=_proc_status_bytes("VmHWM"), baseline_rss_bytes=baseline,
+        losses=timer.losses, **out)
+
+
+def _child_command(runner: str, args, out: str) -> List[str]:
+    return [sys.executable, "-m", "owt_tf.experiments.big_head", "--child", runner,
+            "--classes", str(args.classes), "--devices", str(args.k),
+            "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
+            "--steps", str(args.steps), "--scheme", args.scheme, "--out", out]
+
+
+def run_in_fresh_process(runner: str, args) -> Optional[BigHeadRecord]:
+    """`runner`'s record from a child process of its own; None (and why, on stderr) when the
+    child failed, e.g. out of memory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "record.json")
+        print(f"big head: {runner}, {args.classes} classes, K={args.k} ...", file=sys.stderr,
+              flush=True)
+        proc = subprocess.run(_child_command(runner, args, out), capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(out):
+            print(f"big head: {runner} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
+                  file=sys.stderr)
+            return None
+        with open(out) as f:
+            return BigHeadRecord(**json.load(f))
+
+
+def ratios(records: Sequence[BigHeadRecord]) -> Optional[Dict[str, float]]:
+    """owt_tf / MirroredStrategy for peak RSS, its growth over the start, step time and bytes;
+    None unless both ran."""
+    by = {r.runner: r for r in records}
+    if set(by) != set(RUNNERS):
+        return None
+    o, m = by["owt_tf"], by["mirrored"]
+    return {"peak_rss": o.peak_rss_bytes / m.peak_rss_bytes,
+            "peak_growth": o.peak_growth_bytes / m.peak_growth_bytes,
+            "step_time": o.step_time_s / m.step_time_s,
+            "bytes_per_step": o.bytes_per_step / m.bytes_per_step}
+
+
+def format_big_head_table(records: Sequence[BigHeadRecord]) -> str:
+    head = (f"{'runner':9} {'classes':>9} {'K':>2} {'glob':>5} {'step ms':>9} {'peak MB':>8} "
+            f"{'growth MB':>9} {'MB/step':>9}  how")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        lines.append(f"{r.runner:9} {r.classes:>9} {r.devices:>2} {r.global_batch:>5} "
+                     f"{r.step_time_s * 1e3:9.1f} {r.peak_rss_bytes / 1e6:8.0f} "
+                     f"{r.peak_growth_bytes / 1e6:9.0f} {r.bytes_per_step / 1e6:9.1f}  {r.how}")
+    rel = ratios(records)
+    if rel:
+        lines.append(f"owt_tf / MirroredStrategy: peak memory {rel['peak_rss']:.2f}x "
+                     f"(growth over start {rel['peak_growth']:.2f}x), step time "
+                     f"{rel['step_time']:.2f}x, bytes per step {rel['bytes_per_step']:.3f}x")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class BigHeadArgs:
+    classes: int
+    k: int
+    global_batch: int
+    warmup: int
+    steps: int
+    scheme: str = "owt-b"
+    runners: Sequence[str] = RUNNERS
+
+
+def run_big_head(args: BigHeadArgs) -> List[BigHeadRecord]:
+    """Each runner in its own fresh process, one after the other (never two at once: they
+    would share the cores and the memory)."""
+    records = [run_in_fresh_process(runner, args) for runner in args.runners]
+    return [r for r in records if r is not None]
+
+
+def write_json(path: str, records: Sequence[BigHeadRecord]) -> None:
+    rows = [dict(dataclasses.asdict(r), peak_growth_bytes=r.peak_growth_bytes) for r in records]
+    data = {"records": rows, "ratios": ratios(records)}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _child_main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m owt_tf.experiments.big_head",
+                                description="one runner of `bench --big-head` (a child process)")
+    p.add_argument("--child", required=True, choices=RUNNERS)
+    p.add_argument("--classes", type=int, required=True)
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--scheme", default="owt-b")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    from owt_tf.startup import start_tensorflow
+
+    start_tensorflow()
+    record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,
+                       a.scheme)
+    with open(a.out, "w") as f:
+        json.dump(dataclasses.asdict(record), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())
