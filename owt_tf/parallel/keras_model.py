@@ -42,11 +42,12 @@ from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel import head_state, keras_data, keras_files
 from owt_tf.parallel.keras_compile import (MEAN_REDUCTIONS, CompileError,  # noqa: F401
-                                           GradientClip, KerasShardOptimizer, apply_summed,
+                                           GradientClip, KerasShardOptimizer,
                                            inner_optimizer as _inner,
                                            loss_divisor, loss_reduction, per_example_loss,
                                            rate_ratio, refuse_for_fc_batch, refuse_optimizer,
                                            refuse_settings)
+from owt_tf.parallel.keras_updates import StepUpdates
 from owt_tf.parallel.keras_view import HeadViewMixin
 from owt_tf.parallel.plan import AUTO, PlanError, StepRounds
 from owt_tf.parallel.schemes import round_weights
@@ -124,108 +125,11 @@ def _own_share(rows: tf.Tensor) -> tf.Tensor:
     return rows[k * per:(k + 1) * per]
 
 
-class _Updates:
-    """How a step's gradients reach the optimizers.
-
-    Plain: the trunk's through Keras' `apply_gradients` (which all-reduces them), each
-    shard's through its own clone, as the step produces them. Clipped or loss-scaled: the
-    trunk's gradients are summed here, then clipped whole, as one device clips
-    (GradientClip). Under global_clipnorm or a LossScaleOptimizer every update waits for the
-    whole step (`finish`): the one norm over trunk and shards, or the one verdict on whether
-    every gradient of every device is finite; an overflow skips the step on every device and
-    halves the scale, as Keras' LossScaleOptimizer does on one device."""
-
-    def __init__(self, optimizer, trunk_vars, fc_optimizer: KerasShardOptimizer,
-                 clip: GradientClip, loss_scaler=None):
-        self.optimizer, self.trunk_vars = optimizer, trunk_vars
-        self.fc_optimizer, self.clip, self.loss_scaler = fc_optimizer, clip, loss_scaler
-        self.summed = clip.active or loss_scaler is not None
-        self.waiting = clip.global_norm is not None or loss_scaler is not None
-        self.trunk_grads: List[tf.Tensor] = []
-        self.fc_grads: List[tf.Tensor] = []
-
-    def trunk(self, grads: List[tf.Tensor]) -> None:
-        if grads:
-            k = coll.num_replicas()
-            coll.record(coll.CONV_GRAD, "all_reduce",
-                        sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
-        if not self.summed:
-            return self._apply_trunk(grads, summed=False)
-        if grads:  # the collective Keras' apply_gradients would issue
-            grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
-        if self.waiting:
-            self.trunk_grads = grads
-        else:
-            self._apply_trunk(self.clip.trunk(grads), summed=True)
-
-    def fc(self, shard: int, grads: List[tf.Tensor]) -> None:
-        if self.waiting:
-            self.fc_grads = grads
-        else:
-            self.fc_optimizer.apply(shard, self.clip.fc(grads) if self.clip.active else grads)
-
-    def finish(self, shard: int) -> None:
-        """The waiting updates: clipped by the one norm; skipped everywhere on an overflow."""
-        if not self.waiting:
-            return
-        if self.clip.global_norm is not None:
-            trunk, fc = self.clip.whole(self.trunk_grads, self.fc_grads)
-        else:
-            trunk, fc = self.clip.trunk(self.trunk_grads), self.clip.fc(self.fc_grads)
-        if self.loss_scaler is None:
-            return self._apply(shard, trunk, fc)
-        finite = _finite_everywhere(self.trunk_grads + self.fc_grads)
-        # As Keras' LossScaleOptimizer does: the cond in cross-replica context, since its
-        # branch calls the trunk optimizer, which calls merge_call.
-        tf.distribute.get_replica_context().merge_call(self._apply_if_finite,
-                                                       args=(finite, trunk, fc))
-
-    def _apply_if_finite(self, distribution, finite, trunk, fc) -> None:
-        finite = distribution.experimental_local_results(finite)[0]  # the same everywhere
-
-        def apply_everywhere():
-            distribution.extended.call_for_each_replica(self._apply_scaled_step, args=(trunk, fc))
-
-        tf.cond(finite, apply_everywhere, self.loss_scaler._stateful_handle_non_finite_grads)
-
-    def _apply_scaled_step(self, trunk: List[tf.Tensor], fc: List[tf.Tensor]) -> None:
-        self._apply(coll.replica_id(), trunk, fc)
-        scaler = self.loss_scaler  # Keras' rule: the scale doubles after N finite steps
-
-        def upscale():
-            scaler.step_counter.assign(0)
-            scaler.dynamic_scale.assign(scaler.dynamic_scale * 2.0)
-
-        def count():
-            scaler.step_counter.assign_add(1)
-
-        tf.cond(tf.equal(scaler.step_counter, scaler.dynamic_growth_steps - 1), upscale, count)
-
-    def _apply(self, shard: int, trunk: List[tf.Tensor], fc: List[tf.Tensor]) -> None:
-        self.fc_optimizer.apply(shard, fc)
-        self._apply_trunk(trunk, summed=True)
-
-    def _apply_trunk(self, grads: List[tf.Tensor], summed: bool) -> None:
-        if not grads:  # a frozen trunk: the step still counts (schedules, dropout seeds)
-            self.optimizer.iterations.assign_add(1)
-        elif summed:
-            apply_summed(self.optimizer, grads, self.trunk_vars)
-        else:
-            self.optimizer.apply_gradients(zip(grads, self.trunk_vars))
-
-
 def _count_batches(data: tf.data.Dataset) -> int:
     count = int(data.cardinality())
     if count >= 0:
         return count
     return int(data.reduce(0, lambda n, _: n + 1))
-
-
-def _finite_everywhere(grads: List[tf.Tensor]) -> tf.Tensor:
-    """True on every replica iff every replica's `grads` are finite (the shards' differ)."""
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-    bad = coll.all_reduce_sum(tf.cast(tf.logical_not(finite), tf.float32), coll.FC_GRAD)
-    return tf.equal(bad, 0.0)
 
 
 # Above this many output floats, predict without top_k warns (2**27 floats: 512 MB).
@@ -372,7 +276,7 @@ class ParallelModel(HeadViewMixin, keras.Model):
         step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64), step]), tf.int32)
         weights, metric_weights = self._loss_weights(plan, sample_weight, rows)
         scaler = self._loss_scaler()
-        updates = _Updates(_inner(self.optimizer), trunk_vars, self._fc_optimizer, self._clip,
+        updates = StepUpdates(_inner(self.optimizer), trunk_vars, self._fc_optimizer, self._clip,
                            scaler)
         step = replica_train_step(plan, self.head, self._hybrid.engine.trunk_forward(self.trunk, True),
                                   trunk_vars, x, y, step_seed, updates.trunk, updates.fc,
