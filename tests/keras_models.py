@@ -23,6 +23,19 @@ def alexnet_like(seed: int = 1, softmax: bool = True, input_shape=(16, 16, 3)) -
     ], name="alexnet_like")
 
 
+def conv_dense_net(input_shape, hidden: int, classes: int, activation, seed: int,
+                   name: str, class_layer: str) -> keras.Model:
+    """One small conv layer, Flatten, a ReLU Dense layer `fc1` and a class layer."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input(input_shape),
+        keras.layers.Conv2D(4, 3, activation="relu", name="conv"),
+        keras.layers.Flatten(name="flatten"),
+        keras.layers.Dense(hidden, activation="relu", name="fc1"),
+        keras.layers.Dense(classes, activation=activation, name=class_layer),
+    ], name=name)
+
+
 def single_dense_head(seed: int = 2) -> keras.Model:
     """A functional conv net whose head is one Dense (only the classes are sharded)."""
     keras.utils.set_random_seed(seed)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import owt_tf
-from keras_models import copy_of, update_rel_diff
+from keras_models import conv_dense_net, copy_of, update_rel_diff
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel import keras_model
 from owt_tf.parallel.keras_compile import CompileError
@@ -20,14 +20,8 @@ CLASSES, K, BATCH, LR = 2003, 4, 32, 0.1  # 2003: the class layer is padded to 2
 
 
 def _big_head(softmax: bool, seed: int = 5) -> keras.Model:
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(4, 3, activation="relu", name="conv"),
-        keras.layers.Flatten(name="flatten"),
-        keras.layers.Dense(32, activation="relu", name="fc1"),
-        keras.layers.Dense(CLASSES, activation="softmax" if softmax else None, name="classes"),
-    ], name="big_head")
+    return conv_dense_net((8, 8, 1), 32, CLASSES, "softmax" if softmax else None, seed,
+                          "big_head", "classes")
 
 
 def _data(model: keras.Model, n: int, seed: int = 0):

@@ -59,15 +59,21 @@ def _every_value(parallel):
     return trunk + shards
 
 
-def test_an_overflow_skips_the_step_on_every_device_and_halves_the_scale(devices):
-    x, y = random_data(BATCH * 2, seed=3)
+def _float16_parallel(devices, optimizer, **scaling):
+    """A mixed_float16 model, parallelized and compiled with LossScaleOptimizer(**scaling)."""
     with keras_policy("float16"):
         model = alexnet_like()
     parallel = _parallel(model, devices)
+    parallel.compile(optimizer=keras.optimizers.LossScaleOptimizer(optimizer, **scaling),
+                     loss="sparse_categorical_crossentropy")
+    return parallel
+
+
+def test_an_overflow_skips_the_step_on_every_device_and_halves_the_scale(devices):
+    x, y = random_data(BATCH * 2, seed=3)
     # A scale of 2**40 overflows float16 (max 65504) in every backward pass.
-    parallel.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=2.0 ** 40),
-        loss="sparse_categorical_crossentropy")
+    parallel = _float16_parallel(devices, keras.optimizers.SGD(0.05, momentum=0.9),
+                                 initial_scale=2.0 ** 40)
     before = _every_value(parallel)
     parallel.train_on_batch(x[:BATCH], y[:BATCH])
     after = _every_value(parallel)
@@ -89,12 +95,8 @@ def test_an_overflow_skips_the_step_on_every_device_and_halves_the_scale(devices
 
 def test_the_scale_grows_after_finite_steps(devices):
     x, y = random_data(BATCH * 3, seed=4)
-    with keras_policy("float16"):
-        model = alexnet_like()
-    parallel = _parallel(model, devices)
-    parallel.compile(optimizer=keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.SGD(0.01), initial_scale=8.0, dynamic_growth_steps=2),
-        loss="sparse_categorical_crossentropy")
+    parallel = _float16_parallel(devices, keras.optimizers.SGD(0.01), initial_scale=8.0,
+                                 dynamic_growth_steps=2)
     parallel.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     assert float(parallel.optimizer.dynamic_scale.numpy()) == 16.0  # 3 steps: one doubling
     assert int(parallel.optimizer.step_counter.numpy()) == 1

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import owt_tf
-from keras_models import alexnet_like, copy_of, random_data, update_rel_diff
+from keras_models import alexnet_like, conv_dense_net, copy_of, random_data, update_rel_diff
 from owt_tf.parallel import keras_data
 from owt_tf.parallel.keras_model import TrainingCallError
 
@@ -30,14 +30,7 @@ def _parallel(model, devices, k=4, scheme="owt-b", **compile_kw):
 
 
 def _small_net(units: int, activation, seed: int = 7) -> keras.Model:
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((16, 16, 3)),
-        keras.layers.Conv2D(4, 3, activation="relu", name="conv"),
-        keras.layers.Flatten(name="flatten"),
-        keras.layers.Dense(8, activation="relu", name="fc1"),
-        keras.layers.Dense(units, activation=activation, name="out"),
-    ], name="small")
+    return conv_dense_net((16, 16, 3), 8, units, activation, seed, "small", "out")
 
 
 def _fit_both(reference, parallel, x, y, compile_kw, epochs=1):
