@@ -13,6 +13,7 @@ No parallelism here: this only reads the model. The weights are the user's, neve
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import List, Optional, Tuple
 
 import keras
@@ -30,7 +31,7 @@ class KerasSplit:
     """A Keras model as trunk + head: the trunk shares the original's layers (clone it to
     place it); `head_weights` are the Dense layers' (kernel, bias), whole."""
 
-    trunk: keras.Model
+    trunk: Optional[keras.Model]  # None once released (release_clone)
     head: HeadSpec
     head_weights: List[Tuple[np.ndarray, np.ndarray]]
     dense_names: List[str]
@@ -38,6 +39,13 @@ class KerasSplit:
     # The head's compute dtype: its first Dense layer's (Keras' mixed-precision policy). The
     # loss and the outputs are float32 whatever it is.
     compute_dtype: str = "float32"
+
+    def release_clone(self) -> None:
+        """Frees the clone of the user's model the trunk was cut from (once the trunk is
+        copied): its Dense layers hold a copy of the head, GBs for a million classes. The
+        trunk is gone after."""
+        self.trunk = None
+        gc.collect()  # Keras layers hold reference cycles
 
 
 _HEAD_TYPES = (keras.layers.Dense, keras.layers.Dropout, keras.layers.Activation,

@@ -26,6 +26,7 @@ one-device model with the trained weights.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -68,6 +69,9 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
     if hybrid is None:
         raise ValueError("owt_tf.parallelize needs a HybridStrategy: call it inside "
                          "`with strategy.scope():` or pass strategy=")
+    # Before the split: the rebuilt model and the split's clone each hold a copy of the head
+    # (GBs for a million classes), and only one at a time is alive.
+    source = _rebuildable_source(model)
     # Outside the scope: the split works on a throwaway clone, which needs no mirrored copy.
     split = outside_strategy_scope(lambda: split_keras_model(model, allow_float16=True))
     if hybrid.scheme == AUTO:
@@ -75,15 +79,6 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
     if not hybrid.model_parallel:
         raise UnsupportedModel("scheme 'data' shards nothing: train the model with "
                                "tf.distribute.MirroredStrategy and plain Keras instead")
-    source = keras.saving.serialize_keras_object(model)
-    try:  # refused now, not at the first save after training (Keras consumes the dict: a copy)
-        outside_strategy_scope(
-            lambda: keras.saving.deserialize_keras_object(json.loads(json.dumps(source))))
-    except Exception as err:  # noqa: BLE001 -- any failure means save/export would fail
-        raise UnsupportedModel(f"model {model.name}: cannot be rebuilt from its config, so it "
-                               f"could not be saved ({type(err).__name__}: "
-                               f"{str(err).splitlines()[0]}); register custom layers with "
-                               "keras.saving.register_keras_serializable") from None
     try:
         hybrid.parallel_plan.check_widths(split.head.hidden, hybrid.num_replicas,
                                           split.dense_names[:-1])
@@ -100,6 +95,22 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
         if keras_files.is_resumable(model):  # a loaded .keras file: its run goes on
             keras_files.read_state(parallel, model)
         return parallel
+
+
+def _rebuildable_source(model: keras.Model) -> dict:
+    """The model's config, refused now if Keras cannot rebuild it (not at the first save
+    after training). Keras consumes the dict it deserializes: a copy is used."""
+    source = keras.saving.serialize_keras_object(model)
+    try:
+        outside_strategy_scope(
+            lambda: keras.saving.deserialize_keras_object(json.loads(json.dumps(source))))
+    except Exception as err:  # noqa: BLE001 -- any failure means save/export would fail
+        raise UnsupportedModel(f"model {model.name}: cannot be rebuilt from its config, so it "
+                               f"could not be saved ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0]}); register custom layers with "
+                               "keras.saving.register_keras_serializable") from None
+    gc.collect()  # the rebuilt model's layers hold reference cycles
+    return source
 
 
 def _choose_scheme(hybrid: HybridStrategy, split: KerasSplit, name: str):
@@ -163,6 +174,7 @@ class ParallelModel(HeadViewMixin, keras.Model):
         trunk = keras.models.clone_model(split.trunk)  # in the scope: mirrored variables
         trunk.set_weights(split.trunk.get_weights())
         self.trunk = trunk
+        split.release_clone()  # its Dense layers: a copy of the head, not needed any more
         self.head = hybrid.placement.place_head(hybrid.parallel_plan, split.head, split.head_weights, split.compute_dtype)
         self._fc_optimizer: Optional[KerasShardOptimizer] = None
         self._pending_fc_slots: Optional[Dict[str, np.ndarray]] = None
