@@ -21,9 +21,11 @@ setup(
     python_requires=">=3.10",
     install_requires=requirements(),
     extras_require={
-        # what the test suite needs besides the library: pytest, the plot of the study, and
-        # the export consumers it loads the SavedModel into (ONNX)
-        "test": ["pytest>=8", "matplotlib>=3.8", "tf2onnx>=1.17", "onnxruntime>=1.20"],
+        # what the test suite needs besides the library: pytest and pytest-xdist (the suite
+        # runs in 2 processes: a test is mostly single-threaded tracing), the plot of the
+        # study, and the export consumers it loads the SavedModel into (ONNX)
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8", "tf2onnx>=1.17",
+                 "onnxruntime>=1.20"],
         "study": ["matplotlib>=3.8"],
     },
 )

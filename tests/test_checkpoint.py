@@ -38,6 +38,7 @@ def test_resume_equals_training_in_one_go(devices, tmp_path):
     _assert_same_weights(resumed.model.full_weights(), whole.model.full_weights())
 
 
+@pytest.mark.slow
 def test_saved_at_four_devices_resumes_at_two(devices, tmp_path):
     """FC shards and momenta are saved whole and re-split; fc_batch=global, same global batch."""
     common = dict(fc_batch="global", lr=0.01, lr_scaling="none", dropout=0.0, eval_every=0,
@@ -84,12 +85,13 @@ def test_resumed_at_another_k_with_the_same_global_batch_keeps_its_rates(tmp_pat
             assert (got[name] == want[name]).all(), name
 
 
+@pytest.mark.slow
 def test_logdir_of_another_model_is_refused_and_kept(devices, tmp_path):
     logdir = tmp_path / "run"
     _fit(devices, RunConfig.from_flags(steps=2, eval_every=0, logdir=str(logdir), devices=2, batch_size=8), 2)
     before = sorted(os.listdir(logdir / "checkpoints"))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, "-m", "owt_tf.train", "--model", "alexnet",
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.train", "--model", "vgg_tiny",
                            "--logdir", str(logdir), "--steps", "2"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2

@@ -13,6 +13,9 @@ from owt_tf.config import RunConfig
 from owt_tf.training.serving import ExportError, export_saved_model
 from owt_tf.training.loop import Trainer
 
+# One xdist worker runs this module: its module-scoped runs are made once, not per worker.
+pytestmark = pytest.mark.xdist_group("test_export")
+
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 
 
@@ -26,6 +29,7 @@ def trained(devices, tmp_path_factory):
     return trainer
 
 
+@pytest.mark.slow
 def test_fresh_process_gets_the_training_models_probabilities(trained, tmp_path):
     out = tmp_path / "model" / "1"
     assert export_saved_model(trained.model, trained.dataset.mean, trained.dataset.std,
@@ -85,6 +89,7 @@ def test_versions_are_numbered_and_an_existing_one_kept_unless_overwrite(trained
     assert sorted(os.listdir(base)) == ["1", "2", "7", "README.txt"]
 
 
+@pytest.mark.slow
 def test_export_cli_from_a_logdir(trained, tmp_path):
     out = tmp_path / "cli_model"
     proc = subprocess.run([sys.executable, "-m", "owt_tf.export", "--logdir", trained.logdir,
@@ -97,6 +102,7 @@ def test_export_cli_from_a_logdir(trained, tmp_path):
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
+@pytest.mark.slow
 def test_evaluate_cli_reports_the_runs_validation_error(trained, tmp_path):
     """Center crop: the run's own validation numbers, from the checkpoint and from the export."""
     import re

@@ -71,6 +71,7 @@ def test_folder_errors(tmp_path):
         load_dataset(f"folder:{tmp_path}", (32, 32, 3))
 
 
+@pytest.mark.slow
 def test_train_cli_on_a_folder(tmp_path):
     root = _write_tree(tmp_path / "data")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")

@@ -143,6 +143,7 @@ def test_resume_across_a_draw_chunk_gives_the_same_batches(tmp_path):
     assert not np.array_equal(stream[0], stream[2])
 
 
+@pytest.mark.slow
 def test_bench_input_mode_prints_both_rates(tmp_path):
     files = {(split, label, f"{i}.jpg"): tf.io.encode_jpeg(_photo(50, 70, i)).numpy()
              for split in ("train", "validation") for label in ("x", "y") for i in range(8)}

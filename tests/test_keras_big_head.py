@@ -73,6 +73,7 @@ def _ledger_of(run):
     return ledger, result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sharded_loss_and_metrics_equal_plain_keras(devices, case):
     """fit (History), the weights' updates and evaluate (a padded last batch) equal plain
@@ -106,6 +107,7 @@ def test_sharded_loss_and_metrics_equal_plain_keras(devices, case):
         assert 0 < ledger.by_purpose[coll.LOGITS] < whole_logits / 10, ledger.summary()
 
 
+@pytest.mark.slow
 def test_sharded_loss_without_metrics_evaluates_as_plain_keras(devices):
     """No metric: the head gathers no candidates; evaluate's loss equals plain Keras'."""
     reference = _big_head(False)
@@ -118,6 +120,7 @@ def test_sharded_loss_without_metrics_evaluates_as_plain_keras(devices):
         reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_other_metrics_fall_back_to_the_gathered_logits(devices):
     """A metric the candidates cannot serve (here a cross-entropy metric) keeps the gathered
     logits, and its results still equal plain Keras'; the logits gather is in the step."""
@@ -139,6 +142,7 @@ def test_other_metrics_fall_back_to_the_gathered_logits(devices):
     assert ledger.by_purpose[coll.LOGITS] >= coll.all_gather_cost(BATCH * 2004 // K * 4, K)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("softmax", [True, False])
 def test_predict_top_k_equals_the_top_classes_of_plain_predict(devices, softmax):
     """predict(x, top_k=5): (scores, ids) [rows, 5], the ids those of numpy's stable top-5
@@ -159,6 +163,7 @@ def test_predict_top_k_equals_the_top_classes_of_plain_predict(devices, softmax)
                                rtol=1e-5, atol=1e-7)  # and whole outputs without top_k
 
 
+@pytest.mark.slow
 def test_predict_of_large_outputs_warns_and_suggests_top_k(devices, monkeypatch):
     monkeypatch.setattr(keras_model, "LARGE_OUTPUTS", 40 * CLASSES)
     parallel = _parallel(_big_head(True), devices)

@@ -51,6 +51,7 @@ def trained(devices, tmp_path):
     return tmp_path / "parallel.keras", tmp_path / "plain.keras"
 
 
+@pytest.mark.slow
 def test_the_file_holds_the_plain_optimizers_state(trained):
     got = keras.models.load_model(trained[0])
     want = keras.models.load_model(trained[1])
@@ -62,6 +63,7 @@ def test_the_file_holds_the_plain_optimizers_state(trained):
     _assert_same_state(_state(got), _state(want))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [None, 2])
 def test_load_model_and_fit_continue_the_run(devices, trained, k):
     """None: the loaded plain model fits on one device; 2: parallelize(loaded) at K=2."""
@@ -81,6 +83,7 @@ def test_load_model_and_fit_continue_the_run(devices, trained, k):
         _assert_same_state(_state(again), _state(reference))
 
 
+@pytest.mark.slow
 def test_a_fresh_optimizer_would_differ(trained):
     """The yardstick can fail: a run continued with fresh Adam state moves differently."""
     x, y = random_data(3 * BATCH, seed=31)

@@ -32,8 +32,9 @@ def _parallel(model, devices, k, scheme, fc_batch="global"):
     return parallel
 
 
-@pytest.mark.parametrize("k,scheme", [(2, "owt-a"), (2, "owt-b"), (2, "owt-c"),
-                                      (4, "owt-a"), (4, "owt-b"), (4, "owt-c")])
+# Each scheme once and both K (every scheme at every K is tests/test_equivalence.py's).
+@pytest.mark.parametrize("k,scheme", [(2, "owt-b"), pytest.param(4, "owt-a", marks=pytest.mark.slow),
+                                      pytest.param(4, "owt-c", marks=pytest.mark.slow)])
 def test_fit_equals_plain_keras_fit(devices, k, scheme):
     x, y = random_data(BATCH * STEPS)
     reference = alexnet_like()
@@ -46,6 +47,7 @@ def test_fit_equals_plain_keras_fit(devices, k, scheme):
     assert got["accuracy"][0] == pytest.approx(want["accuracy"][0], abs=1e-7)
 
 
+@pytest.mark.slow
 def test_single_dense_head_logits_and_numpy_input(devices):
     """A head of one Dense (classes sharded over 4), a from_logits loss object, numpy input."""
     x, y = random_data(BATCH * STEPS, seed=1)
@@ -62,6 +64,7 @@ def test_single_dense_head_logits_and_numpy_input(devices):
     assert got["loss"][0] == pytest.approx(want["loss"][0], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,scheme", [(2, "owt-b"), (4, "owt-c")])
 def test_fc_batch_worker_equals_sequential_fc_updates(devices, k, scheme):
     x, y = random_data(BATCH * STEPS, seed=2)
@@ -73,6 +76,7 @@ def test_fc_batch_worker_equals_sequential_fc_updates(devices, k, scheme):
     assert got["loss"][0] == pytest.approx(np.mean(losses), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_cover_every_row(devices):
     """A last partial batch (50 rows, batches of 32 over 4 devices) is padded, not dropped."""
     x, y = random_data(50, seed=3)
@@ -94,6 +98,7 @@ def _fc_schedule():
     return keras.optimizers.schedules.ExponentialDecay(LR / 2, decay_steps=1, decay_rate=0.8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,scheme", [(2, "owt-b"), (4, "owt-c")])
 def test_fc_optimizer_own_rate_and_schedule_equal_sequential_fc_updates(devices, k, scheme):
     """The paper's recipe through compile: the trunk at K times the rate, the shards with

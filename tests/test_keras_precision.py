@@ -28,6 +28,7 @@ def _sgd():
                 loss="sparse_categorical_crossentropy")
 
 
+@pytest.mark.slow
 def test_mixed_float16_fit_tracks_keras_own(devices):
     """compile adds Keras' LossScaleOptimizer; the shards compute in float16; fit's loss stays
     as close to Keras' own mixed_float16 fit as that is to the float32 fit."""
@@ -69,6 +70,7 @@ def _float16_parallel(devices, optimizer, **scaling):
     return parallel
 
 
+@pytest.mark.slow
 def test_an_overflow_skips_the_step_on_every_device_and_halves_the_scale(devices):
     x, y = random_data(BATCH * 2, seed=3)
     # A scale of 2**40 overflows float16 (max 65504) in every backward pass.
@@ -93,6 +95,7 @@ def test_an_overflow_skips_the_step_on_every_device_and_halves_the_scale(devices
                if a.dtype.kind == "f")
 
 
+@pytest.mark.slow
 def test_the_scale_grows_after_finite_steps(devices):
     x, y = random_data(BATCH * 3, seed=4)
     parallel = _float16_parallel(devices, keras.optimizers.SGD(0.01), initial_scale=8.0,
@@ -102,6 +105,7 @@ def test_the_scale_grows_after_finite_steps(devices):
     assert int(parallel.optimizer.step_counter.numpy()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["bfloat16", "float16"])
 def test_activations_travel_in_the_compute_dtype(devices, policy):
     """The step's ledger: the exchanged activations take half the float32 bytes."""
@@ -119,6 +123,7 @@ def test_activations_travel_in_the_compute_dtype(devices, policy):
     assert counted[policy] * 2 == counted["float32"] > 0
 
 
+@pytest.mark.slow
 def test_loss_scaling_with_worker_fc_updates_is_refused(devices):
     with keras_policy("float16"):
         model = alexnet_like()

@@ -132,6 +132,7 @@ def test_string_and_function_losses_on_a_one_unit_head(devices, loss):
     _assert_same_run(got, want, before, parallel, reference)
 
 
+@pytest.mark.slow
 def test_on_batch_methods_equal_plain_keras(devices):
     """train_on_batch / test_on_batch / predict_on_batch: each replica takes its own rows of
     the batch (Keras' own would hand every replica the whole batch)."""
@@ -191,6 +192,7 @@ def test_compile_keeps_the_users_optimizer_object(devices):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_head_dropout_goes_on_across_a_recompile(devices):
     """Dropout masks follow the step count: fit, recompile, fit equals fit, fit (SGD without
     momentum, so the new optimizer's fresh state changes nothing else)."""

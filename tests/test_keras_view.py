@@ -70,6 +70,7 @@ def test_count_params_equals_the_plain_models(devices, make):
     assert parallel.count_params() == plain.count_params()
 
 
+@pytest.mark.slow
 def test_get_layer_gives_whole_weights_after_a_fit_step(devices):
     x, y = random_data(BATCH, seed=3)
     plain = alexnet_like()
@@ -129,6 +130,7 @@ def test_tensorboard_writes_a_histogram_of_every_head_weight(devices, tmp_path):
         assert {f"{name}/kernel/image", f"{name}/bias/image"} <= tags, (name, tags)
 
 
+@pytest.mark.slow
 def test_keras_optimizer_and_weight_files_never_see_the_shards(devices, tmp_path):
     x, y = random_data(BATCH, seed=9)
     parallel = _parallel(alexnet_like(), devices)

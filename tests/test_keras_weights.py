@@ -56,6 +56,7 @@ def _assert_same_history(got, want, rtol=1e-5):
         np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["owt-b", "owt-c"])
 def test_sample_weights_equal_plain_keras(devices, scheme):
     """Keras' reduction: sum(loss x weight) over the batch size; weighted_metrics weighted,
@@ -109,6 +110,7 @@ def test_dataset_with_sample_weights_equals_plain_keras(devices):
     _assert_same_history(got, want)
 
 
+@pytest.mark.slow
 def test_validation_split_and_weighted_evaluate_equal_plain_keras(devices):
     """validation_split holds out the last rows (with their sample weights), before any
     shuffling; evaluate(sample_weight=) weighs the loss as Keras does, a partial last batch
@@ -135,6 +137,7 @@ def test_weighted_evaluate_equals_plain_keras(devices):
     assert abs(unweighted[0] - want[0]) > 1e-3  # the weights change the loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
 def test_loss_reductions_equal_plain_keras(devices, reduction):
     def compile_kw():
@@ -148,6 +151,7 @@ def test_loss_reductions_equal_plain_keras(devices, reduction):
     _assert_same_history(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [dict(clipnorm=0.05), dict(global_clipnorm=0.08),
                                   dict(clipvalue=0.002)])
 @pytest.mark.parametrize("scheme", ["owt-b", "owt-c"])
@@ -172,6 +176,7 @@ def test_clipping_binds(clip):
     assert update_rel_diff(before, a.get_weights(), b.get_weights()) > 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [dict(clipnorm=0.05), dict(clipvalue=0.002)])
 def test_clipping_with_worker_updates_equals_sequential_fc_updates(devices, clip):
     """fc_batch='worker': each of a step's K FC updates clipped on its own, as K sequential

@@ -3,7 +3,6 @@ back by a fresh process without owt_tf, the models the split rule takes and the 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -46,6 +45,7 @@ class _StopAfterEpoch(keras.callbacks.Callback):
             raise self.Stopped(f"interrupted after epoch {epoch}")
 
 
+@pytest.mark.slow
 def test_backup_and_restore_at_k4_resumes_at_k2(devices, tmp_path):
     """Interrupted after 2 of 3 epochs at K=4, resumed at K=2: equals 3 epochs of plain Keras
     fit (momentum and step count of trunk and FC shards restored from Keras' own files)."""
@@ -67,6 +67,7 @@ def test_backup_and_restore_at_k4_resumes_at_k2(devices, tmp_path):
     assert history["loss"][0] == pytest.approx(want["loss"][-1], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_model_checkpoint_weights_restore_at_k1(devices, tmp_path):
     """ModelCheckpoint's weights file (save_weights_only) written at K=4 and its .keras file:
     continuing from the weights at K=1 equals continuing at K=4; the .keras file loads."""
@@ -87,6 +88,7 @@ def test_model_checkpoint_weights_restore_at_k1(devices, tmp_path):
                         run.to_keras_model().get_weights()) < 1e-5
 
 
+@pytest.mark.slow
 def test_learning_rate_scheduler_drives_trunk_and_shards(devices):
     x, y = random_data(2 * BATCH, seed=6)
     reference = alexnet_like()
@@ -103,6 +105,7 @@ def test_learning_rate_scheduler_drives_trunk_and_shards(devices):
     assert max_rel_diff(parallel.to_keras_model().get_weights(), reference.get_weights()) < 1e-5
 
 
+@pytest.mark.slow
 def test_tensorboard_early_stopping_and_validation(devices, tmp_path):
     x, y = random_data(2 * BATCH, seed=7)
     xv, yv = random_data(40, seed=8)
@@ -126,6 +129,7 @@ def test_tensorboard_early_stopping_and_validation(devices, tmp_path):
     assert {"epoch_loss", "epoch_accuracy"} <= tags
 
 
+@pytest.mark.slow
 def test_adamw_weight_decay_with_uint8_column_labels(devices):
     """AdamW with weight decay, labels uint8 [N, 1] (keras.datasets' form): equals plain Keras."""
     x, y = random_data(2 * BATCH, seed=11)
@@ -174,6 +178,7 @@ assert "owt_tf" not in sys.modules
 """
 
 
+@pytest.mark.slow
 def test_save_and_export_load_in_a_fresh_process_without_owt_tf(devices, tmp_path):
     x, y = random_data(BATCH, seed=9)
     parallel = _parallel(alexnet_like(), devices, 4, scheme="owt-b")
@@ -191,6 +196,7 @@ def test_save_and_export_load_in_a_fresh_process_without_owt_tf(devices, tmp_pat
     np.testing.assert_allclose(served, distributed, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_batchnorm_residual_trunk_trains_on_digits(devices):
     """BatchNormalization and a residual add in the trunk, Dropout in the head: learns."""
     x, y, xv, yv = digits()

@@ -24,6 +24,10 @@ from owt_tf import launch
 from owt_tf.models import build_model
 from owt_tf.parallel import traffic
 from owt_tf.training import summaries
+from test_reliability import _files_of, _flip_a_byte
+
+# One xdist worker runs this module: its module-scoped runs are made once, not per worker.
+pytestmark = pytest.mark.xdist_group("test_multiworker")
 
 WORKERS, PER_WORKER, BATCH, STEPS, LR = 2, 2, 8, 6, 0.01
 K = WORKERS * PER_WORKER
@@ -109,6 +113,7 @@ def cluster_runs(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme,workers,per_worker", [
     ("owt-a", 2, 2), ("owt-b", 2, 2), ("owt-c", 2, 2),
     ("owt-c", 2, 1),  # one device per worker: what stock MultiWorkerMirroredStrategy gives a CPU
@@ -199,6 +204,7 @@ def _latest_step(logdir):
     return int(latest.rsplit("-", 1)[1]) if latest else 0
 
 
+@pytest.mark.slow
 def test_preempted_then_killed_worker_and_the_same_command_resumes(cluster_runs, tmp_path):
     """SIGTERM to one worker: all stop at one step with one checkpoint. SIGKILL to one
     worker: the other stops on its own, naming it. Each time the same command resumes, and
@@ -303,8 +309,8 @@ def _end_times(procs, timeout=300):
 def test_faults_while_checkpointing_and_a_missing_worker_then_the_same_command_resumes(
         cluster_runs, tmp_path):
     """The chief killed mid-save; a worker killed while the chief writes; a worker that
-    never starts. Each ends every process within a bound, the same command resumes, and
-    the run ends equal to one never interrupted."""
+    never starts; the newest checkpoint damaged. Each ends every process within a bound,
+    the same command resumes, and the run ends equal to one never interrupted."""
     straight, _, _ = cluster_runs("owt-b")
     logdir = str(tmp_path / "run")
     flags = ["--scheme", "owt-b", "--batch-size", str(BATCH), "--lr", str(LR), *COMMON,
@@ -343,11 +349,23 @@ def test_faults_while_checkpointing_and_a_missing_worker_then_the_same_command_r
     assert chief_end - started < JOIN_TIMEOUT_S + 30
     assert _latest_step(logdir) == 4
 
-    # 4. the same command with every worker: resumes at 4 and ends as if never stopped
+    # 4. the newest checkpoint damaged, then the same command with every worker: each
+    # falls back to the same intact ckpt-2, only the chief moves ckpt-4 aside (a second
+    # mover would leave ckpt-4.damaged.1 or fail), and the run ends as if never stopped
+    bad = os.path.join(logdir, "checkpoints", "ckpt-4")
+    _flip_a_byte(bad)
+    damaged_files = _files_of(bad)
     cluster = ManualCluster(flags, tmp_path)
     ended = _end_times({0: cluster.start(0), 1: cluster.start(1)})
     assert [ended[i][0] for i in (0, 1)] == [0, 0], ended[0][1][-3000:] + ended[1][1][-3000:]
-    assert f"resumed from {logdir}/checkpoints/ckpt-4 at step 4" in ended[0][1]
+    for i in (0, 1):
+        assert f"resumed from {logdir}/checkpoints/ckpt-2 at step 2" in ended[i][1], ended[i][1][-3000:]
+    assert f"moved to {bad}.damaged; using {logdir}/checkpoints/ckpt-2" in ended[0][1]
+    assert "moved to" not in ended[1][1]
+    aside = sorted(n for n in os.listdir(os.path.dirname(bad)) if n.startswith("ckpt-4.damaged"))
+    assert aside == ["ckpt-4.damaged"]
+    assert {name: open(os.path.join(bad + ".damaged", name), "rb").read()
+            for name in os.listdir(bad + ".damaged")} == damaged_files
     want, got = _tensors(straight, STEPS), _tensors(logdir, STEPS)
     assert sorted(got) == sorted(want)
     for name in want:

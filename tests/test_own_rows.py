@@ -35,6 +35,7 @@ def _batches(ds, global_batch, rows=None, count=5, start=0):
             for b in ds.train_rows(global_batch, SEED, start, rows).take(count)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("augment", ["alexnet", "none"])
 def test_rows_split_over_any_number_of_workers_make_the_whole_batch(tmp_path, augment):
     ds = load_dataset(f"folder:{corrupt_folder(tmp_path / 'd')}", (32, 32, 3), augment=augment)

@@ -132,6 +132,7 @@ def _masked_reference(features, kernel, bias, labels, mask):
     return loss, features.T.astype(np.float64) @ dlogits, dlogits.sum(axis=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["owt-b", "owt-a"])
 def test_sampled_loss_and_update_equal_a_numpy_reference(devices, scheme):
     """One step at r=0.1: the loss is numpy's cross-entropy over the sampled classes, the
@@ -189,6 +190,7 @@ def test_evaluate_uses_every_class(devices):
 
 
 # -- a mask that keeps every class is the exact loss ------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [1.0, ALL_KEPT])
 @pytest.mark.parametrize("fc_batch", ["global", "worker"])
 def test_keeping_every_class_equals_plain_keras(devices, rate, fc_batch):

@@ -178,6 +178,7 @@ def test_a_run_changes_precision_when_it_resumes(devices, tmp_path):
     again.rundir.release()
 
 
+@pytest.mark.slow
 def test_parallelize_follows_the_models_bf16_policy_and_fit_tracks_keras(devices):
     """A mixed_bfloat16 Keras model: the shards compute in bfloat16 like its Dense layers,
     and fit's loss stays as close to Keras' own bf16 fit as that is to the fp32 fit."""

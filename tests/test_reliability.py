@@ -18,6 +18,9 @@ import tensorflow as tf
 
 from engine_harness import changed_tensors, checkpoint_tensors, every_copy
 
+# One xdist worker runs this module: its module-scoped runs are made once, not per worker.
+pytestmark = pytest.mark.xdist_group("test_reliability")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 12
 RUN = ["--steps", str(STEPS), "--eval-every", "0", "--checkpoint-every", "3", "--deterministic",
@@ -67,6 +70,7 @@ def uninterrupted(uninterrupted_run):
     return _tensors(uninterrupted_run, STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moment,at", [("step", 7), ("serialize", 6), ("index", 9)])
 def test_sigkill_then_same_command_is_bit_identical(uninterrupted, tmp_path, moment, at):
     logdir = str(tmp_path / "run")
@@ -92,6 +96,7 @@ def _wait_for(path, proc, timeout=300):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, sig):
     logdir = str(tmp_path / "run")
@@ -121,6 +126,7 @@ def test_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, sig):
     _assert_bit_identical(_tensors(logdir, stopped + 2), _tensors(straight, stopped + 2))
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     logdir = str(tmp_path / "run")
     proc = _train("--lr", "100", "--steps", "50", "--checkpoint-every", "1", "--eval-every", "0",
@@ -195,6 +201,7 @@ def _corrupt_tree(root, bad_train, bad_val=1):
     return root
 
 
+@pytest.mark.slow
 def test_corrupt_images_are_skipped_and_counted(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 
@@ -248,6 +255,7 @@ def _file_size_limit(limit):
     return apply
 
 
+@pytest.mark.slow
 def test_failed_checkpoint_write_is_reported_and_the_previous_one_kept(tmp_path):
     logdir = str(tmp_path / "run")
     flags = ["--steps", "4", "--eval-every", "0", "--checkpoint-every", "2", "--histogram-every", "0",
@@ -294,6 +302,7 @@ def _errors(proc, prog="owt_tf.train"):
     return [l for l in proc.stderr.splitlines() if f"{prog}: error" in l]
 
 
+@pytest.mark.slow
 def test_locked_logdir_is_refused_at_once_and_a_killed_holder_leaves_no_lock(
         uninterrupted_run, tmp_path):
     logdir = str(tmp_path / "run")

@@ -43,6 +43,7 @@ def test_cells_cover_both_batch_rules_and_scalings():
     assert {(c.fc_rule, c.scheme) for c in cells[1:]} == {("global", "owt-a"), ("worker", "owt-c")}
 
 
+@pytest.mark.slow
 def test_small_study_end_to_end(tmp_path):
     out = tmp_path / "study"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")

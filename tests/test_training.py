@@ -38,6 +38,7 @@ def test_every_scheme_reaches_the_single_device_weights(devices, tmp_path):
             assert rel_err(ak, bk) < 1e-5 and rel_err(ab, bb) < 1e-5, (scheme, k)
 
 
+@pytest.mark.slow
 def test_demo_configuration_learns_digits(devices, tmp_path):
     trainer = Trainer(RunConfig.from_flags(steps=300, eval_every=0, logdir=str(tmp_path)), devices=devices[:2])
     summary = trainer.fit(log=lambda line: None, progress=False)
@@ -48,6 +49,7 @@ def test_demo_configuration_learns_digits(devices, tmp_path):
     assert np.isfinite(summary["train_loss"])
 
 
+@pytest.mark.slow
 def test_cli_trains_and_reports(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run([sys.executable, "-m", "owt_tf.train", "--steps", "40",

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -73,6 +72,7 @@ def test_keras_file_keeps_its_weights(devices, tmp_path, user_module):
     assert trainer.spec.head.output_activation == "softmax"
 
 
+@pytest.mark.slow
 def test_cli_trains_resumes_at_another_k_and_exports(devices, tmp_path, user_module):
     pythonpath = str(tmp_path)
     logdir = str(tmp_path / "run")
