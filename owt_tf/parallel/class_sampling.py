@@ -1,10 +1,18 @@
 """Class sampling for large heads (InsightFace's Partial FC): each FC update, each shard keeps
 the classes of its slice that are labels in the update's rows (positives) plus a uniform
 random sample of its other classes, ceil(sample_rate x the shard's classes) in all (every
-positive when they are more). The class-sharded cross-entropy (ShardedHead) then masks the
-other classes out of the softmax: their logits count as -inf, so their kernel columns and
-biases get an exact zero gradient. Shapes stay static (no column gather): a correctness
-option, not a speed-up.
+positive when they are more).
+
+The kept columns are chosen before the forward pass (the labels are known then), as a
+static-size vector of column ids (`SampledColumns`): the last FC layer multiplies by those
+columns of its kernel only (`gather_columns`), so its logits are [rows, S] instead of
+[rows, shard classes], and its matmuls, forward and backward, shrink by about the rate: a
+speed-up. S = the sample's count plus the update's label rows (every positive always fits);
+entries past the real sample are padding, flagged invalid and left out of the softmax, as
+the unsampled classes are. The gradient reaches the whole kernel through the gather: zero
+on unsampled columns, which the optimizer still updates (momentum, weight decay), as
+Partial FC v2 does. Labels given as rows of class weights (one-hot) may name any number of
+classes a row, so there S is the shard's width: exact, but no smaller.
 
 The sample is a pure function of the update's seed and the shard (stateless random ops):
 the same step seed gives the same classes, another step or shard other ones.
@@ -12,11 +20,12 @@ the same step seed gives the same classes, another step or shard other ones.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from owt_tf.parallel.plan import sample_rate_problem
+from owt_tf.parallel.sharded_metrics import LOWEST
 
 # Folded into the update's seed with the shard index; above the dropout seeds' range
 # (layer_index * 1024 + salt, ShardedHead._dropout), so the two never share a stream.
@@ -60,21 +69,90 @@ def shard_seed(update_seed: tf.Tensor, shard: int) -> tf.Tensor:
     return tf.random.experimental.stateless_fold_in(update_seed, CLASS_SAMPLING_SALT + shard)
 
 
-def sampled_classes(positives: tf.Tensor, num_valid: int, rate: float, seed: tf.Tensor) -> tf.Tensor:
-    """bool [width]: the columns one shard keeps in an update. `positives` (bool [width]):
-    the update's labels among its columns; `num_valid`: its real classes (columns
-    0 ... num_valid-1; the rest is padding, never kept); `seed`: shard_seed's.
+class SampledColumns(NamedTuple):
+    """One shard's columns in one FC update: `ids` int32 [S], distinct shard-local column
+    ids, the sampled ones first (positives, then by random score); `valid` bool [S], which
+    entries are sampled (the others: padding, out of the softmax); `width`: the shard's
+    columns."""
+
+    ids: tf.Tensor
+    valid: tf.Tensor
+    width: int
+
+
+def sample_size(rate: float, num_valid: int, width: int, label_rows: Optional[int]) -> int:
+    """S, the static length of a shard's sampled ids: room for the sample and every positive
+    of `label_rows` rows of class ids (None: labels that may name any number of classes)."""
+    if label_rows is None:
+        return width
+    return min(width, sample_count(rate, num_valid) + label_rows)
+
+
+def sample_columns(positives: tf.Tensor, num_valid: int, rate: float, seed: tf.Tensor,
+                   size: int) -> SampledColumns:
+    """The columns one shard keeps in an update, as `size` ids (sample_size's S).
+    `positives` (bool [width]): the update's labels among its columns; `num_valid`: its
+    real classes (columns 0 ... num_valid-1; the rest is padding, never kept); `seed`:
+    shard_seed's.
 
     Every positive, plus the highest-scoring others under uniform random scores up to
     sample_count(rate, num_valid) columns in all (Partial FC's rule: positives score above
-    every random score)."""
+    every random score, padding below)."""
     width = int(positives.shape[0])
     count = sample_count(rate, num_valid)
-    if count == 0:
-        return tf.zeros([width], tf.bool)
     scores = tf.random.stateless_uniform([width], seed=seed)
     scores = tf.where(positives, 2.0, scores)
     scores = tf.where(tf.range(width) < num_valid, scores, -1.0)
-    _, kept = tf.math.top_k(scores, count, sorted=False)
-    chosen = tf.scatter_nd(kept[:, None], tf.ones([count], tf.int32), [width]) > 0
-    return chosen | positives
+    # Sorted: positives, then the others by score; the first max(count, positives) are the
+    # sample (its top `count`, plus the positives beyond them).
+    _, ids = tf.math.top_k(scores, size, sorted=True)
+    kept = tf.maximum(count, tf.reduce_sum(tf.cast(positives, tf.int32)))
+    return SampledColumns(ids, tf.range(size) < kept, width)
+
+
+def column_mask(sample: SampledColumns) -> tf.Tensor:
+    """bool [width]: which of the shard's columns the sample keeps."""
+    kept = tf.cast(sample.valid, tf.int32)
+    return tf.scatter_nd(sample.ids[:, None], kept, [sample.width]) > 0
+
+
+def sampled_classes(positives: tf.Tensor, num_valid: int, rate: float, seed: tf.Tensor) -> tf.Tensor:
+    """bool [width]: the columns one shard keeps in an update (sample_columns' rule, as a
+    mask)."""
+    width = int(positives.shape[0])
+    return column_mask(sample_columns(positives, num_valid, rate, seed, width))
+
+
+def gather_columns(kernel: tf.Tensor, bias: tf.Tensor,
+                   ids: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """The kernel's and the bias's columns `ids`: [in, S] and [S]. Both gathered along axis
+    1, whose gradient is dense (the bias's along axis 0 would be IndexedSlices): the FC
+    optimizer updates whole shards."""
+    columns = tf.gather(kernel, ids, axis=1)
+    bias_columns = tf.gather(tf.reshape(bias, [1, -1]), ids, axis=1)
+    return columns, tf.reshape(bias_columns, [-1])
+
+
+def label_positions(local_labels: tf.Tensor, sample: SampledColumns) -> tf.Tensor:
+    """int32 [n]: where each shard-local label (column id; outside 0 ... width-1: not this
+    shard's, any result) is in `sample.ids`. Every label of the shard is a positive, so it
+    is there."""
+    size = int(sample.ids.shape[0])
+    where = tf.scatter_nd(sample.ids[:, None], tf.range(size), [sample.width])
+    return tf.gather(where, tf.clip_by_value(local_labels, 0, sample.width - 1))
+
+
+def sampled_label_columns(label_columns: tf.Tensor, sample: SampledColumns) -> tf.Tensor:
+    """[n, S]: rows of class weights over the shard's columns, at the sampled ids."""
+    return tf.gather(label_columns, sample.ids, axis=1)
+
+
+def sampled_top_candidates(logits: tf.Tensor, sample: SampledColumns, first_class: int,
+                           k: int) -> tf.Tensor:
+    """shard_top_candidates of logits over the sampled columns ([n, S]): each row's k best
+    sampled classes and their GLOBAL class ids (first_class + the column id), packed [n, 2k]
+    (padding entries are LOWEST). No gradient."""
+    masked = tf.stop_gradient(tf.where(sample.valid[None, :], tf.cast(logits, tf.float32), LOWEST))
+    values, position = tf.math.top_k(masked, k)
+    ids = tf.gather(sample.ids, position) + first_class
+    return tf.concat([values, tf.cast(ids, tf.float32)], axis=1)
