@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from owt_tf.parallel.plan import sample_rate_problem
-from owt_tf.parallel.sharded_metrics import LOWEST
+from owt_tf.parallel.sharded_metrics import LOWEST, shard_top_candidates
 
 # Folded into the update's seed with the shard index; above the dropout seeds' range
 # (layer_index * 1024 + salt, ShardedHead._dropout), so the two never share a stream.
@@ -77,6 +77,19 @@ class SampledColumns(NamedTuple):
     ids: tf.Tensor
     valid: tf.Tensor
     width: int
+
+
+def shard_sample(labels: Sequence[tf.Tensor], k: int, width: int, num_classes: int, rate: float,
+                 sparse: bool, update_seed: tf.Tensor) -> SampledColumns:
+    """Shard k's sampled columns (of `width`, global classes k*width ...) in an FC update
+    with these rows' `labels` (every round of the update, `sparse` as in shard_positives),
+    seeded by `update_seed` (int32 [2])."""
+    first = k * width
+    positives = shard_positives(labels, first, width, sparse)
+    num_valid = min(width, max(0, num_classes - first))
+    rows = sum(int(y.shape[0]) for y in labels) if sparse else None
+    return sample_columns(positives, num_valid, rate, shard_seed(update_seed, k),
+                          sample_size(rate, num_valid, width, rows))
 
 
 def sample_size(rate: float, num_valid: int, width: int, label_rows: Optional[int]) -> int:
@@ -136,25 +149,32 @@ def gather_columns(kernel: tf.Tensor, bias: tf.Tensor,
     return columns, tf.reshape(bias_columns, [-1])
 
 
-def label_positions(local_labels: tf.Tensor, sample: SampledColumns) -> tf.Tensor:
-    """int32 [n]: where each shard-local label (column id; outside 0 ... width-1: not this
-    shard's, any result) is in `sample.ids`. Every label of the shard is a positive, so it
-    is there."""
+def label_positions(local_labels: tf.Tensor, sample: Optional[SampledColumns],
+                    width: int) -> tf.Tensor:
+    """int32 [n]: which logit column holds each shard-local label (column id; outside
+    0 ... width-1: not this shard's, any column): its position in `sample.ids` (every label
+    of the shard is a positive, so it is there), or the label itself without a sample."""
+    if sample is None:
+        return tf.clip_by_value(local_labels, 0, width - 1)
     size = int(sample.ids.shape[0])
     where = tf.scatter_nd(sample.ids[:, None], tf.range(size), [sample.width])
     return tf.gather(where, tf.clip_by_value(local_labels, 0, sample.width - 1))
 
 
-def sampled_label_columns(label_columns: tf.Tensor, sample: SampledColumns) -> tf.Tensor:
-    """[n, S]: rows of class weights over the shard's columns, at the sampled ids."""
-    return tf.gather(label_columns, sample.ids, axis=1)
+def sampled_label_columns(label_columns: tf.Tensor, sample: Optional[SampledColumns]) -> tf.Tensor:
+    """Rows of class weights over the shard's columns ([n, width]) at the logits' columns:
+    [n, S] at the sampled ids, or all of them without a sample."""
+    return label_columns if sample is None else tf.gather(label_columns, sample.ids, axis=1)
 
 
-def sampled_top_candidates(logits: tf.Tensor, sample: SampledColumns, first_class: int,
-                           k: int) -> tf.Tensor:
-    """shard_top_candidates of logits over the sampled columns ([n, S]): each row's k best
-    sampled classes and their GLOBAL class ids (first_class + the column id), packed [n, 2k]
-    (padding entries are LOWEST). No gradient."""
+def top_candidates(logits: tf.Tensor, sample: Optional[SampledColumns], first_class: int,
+                   num_classes: int, k: int) -> tf.Tensor:
+    """shard_top_candidates of a shard's logits: of all its columns without a sample, else
+    of the sampled ones ([n, S]): each row's k best sampled classes and their GLOBAL class
+    ids (first_class + the column id), packed [n, 2k] (padding entries are LOWEST). No
+    gradient."""
+    if sample is None:
+        return shard_top_candidates(logits, first_class, num_classes, k)
     masked = tf.stop_gradient(tf.where(sample.valid[None, :], tf.cast(logits, tf.float32), LOWEST))
     values, position = tf.math.top_k(masked, k)
     ids = tf.gather(sample.ids, position) + first_class

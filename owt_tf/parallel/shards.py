@@ -369,15 +369,9 @@ class ShardedHead(tf.Module):
         if self.loss_mode != "sharded":
             raise ValueError(f"sample_rate={self.sample_rate:g} needs the class-sharded "
                              "cross-entropy (loss='sharded')")
-        width = self._shard_width()
-        first = k * width
         sparse = self.sharded_loss is None or self.sharded_loss.sparse
-        positives = class_sampling.shard_positives(labels, first, width, sparse)
-        num_valid = min(width, max(0, self.spec.num_classes - first))
-        rows = sum(int(y.shape[0]) for y in labels) if sparse else None
-        size = class_sampling.sample_size(self.sample_rate, num_valid, width, rows)
-        return class_sampling.sample_columns(positives, num_valid, self.sample_rate,
-                                             class_sampling.shard_seed(update_seed, k), size)
+        return class_sampling.shard_sample(labels, k, self._shard_width(), self.spec.num_classes,
+                                           self.sample_rate, sparse, update_seed)
 
     def sampled_mask(self, labels: Sequence[tf.Tensor], k: int, update_seed: tf.Tensor) -> tf.Tensor:
         """bool [width]: `sample_columns` as a mask of shard k's columns."""
@@ -399,10 +393,7 @@ class ShardedHead(tf.Module):
         with_ids = self.candidates_k > 0
 
         def local_top(logits, r):
-            if sample is not None:
-                packed = class_sampling.sampled_top_candidates(logits, sample, first, top)
-            else:
-                packed = shard_top_candidates(logits, first, self.spec.num_classes, top)
+            packed = class_sampling.top_candidates(logits, sample, first, self.spec.num_classes, top)
             return packed if with_ids else packed[:, :top]
 
         gathered = self._gather(per_round(local_top, logits_shards), coll.LOGITS)
@@ -432,15 +423,13 @@ class ShardedHead(tf.Module):
                 # Keras takes class ids as [n] or [n, 1], of any number type
                 local_label = tf.reshape(tf.cast(labels[r], tf.int32), [-1]) - first
                 mine = (local_label >= 0) & (local_label < width)
-                column = (tf.clip_by_value(local_label, 0, width - 1) if sample is None
-                          else class_sampling.label_positions(local_label, sample))
+                column = class_sampling.label_positions(local_label, sample, width)
                 picked = tf.gather(logits, column, batch_dims=1)
                 sums.append(tf.where(mine, picked, tf.zeros_like(picked)))
             else:
                 present = tf.where(valid[None, :], logits, 0.0)
-                columns = self._label_columns(labels[r], first, width)
-                if sample is not None:
-                    columns = class_sampling.sampled_label_columns(columns, sample)
+                columns = class_sampling.sampled_label_columns(
+                    self._label_columns(labels[r], first, width), sample)
                 sums.append(tf.reduce_sum(columns * present, 1))
                 if loss.label_smoothing:
                     sums.append(tf.reduce_sum(present, axis=1))
