@@ -154,11 +154,12 @@ def _kernel_columns(kernel: tf.Tensor, ids: tf.Tensor):
     the kernel's [in, width] layout: TensorFlow's own sums into [width, in] and transposes
     the whole shard (1M classes over 4 shards: 122 ms a shard, this 86 ms)."""
     def grad(dcolumns):
-        rows, size = kernel.shape[0], int(ids.shape[0])
+        rows, width = kernel.shape  # static: the backward holds no reference to the value
+        size = int(ids.shape[0])
         at = tf.stack([tf.broadcast_to(tf.range(rows)[:, None], [rows, size]),
                        tf.broadcast_to(ids[None, :], [rows, size])], axis=-1)
         dense = tf.raw_ops.SparseToDense(
-            sparse_indices=tf.reshape(at, [-1, 2]), output_shape=tf.shape(kernel),
+            sparse_indices=tf.reshape(at, [-1, 2]), output_shape=[rows, width],
             sparse_values=tf.reshape(dcolumns, [-1]),
             default_value=tf.zeros([], dcolumns.dtype), validate_indices=False)
         return dense, None
