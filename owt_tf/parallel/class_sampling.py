@@ -152,17 +152,18 @@ def gather_columns(kernel: tf.Tensor, bias: tf.Tensor,
 def _kernel_columns(kernel: tf.Tensor, ids: tf.Tensor):
     """tf.gather(kernel, ids, axis=1) for distinct ids, its gradient written straight into
     the kernel's [in, width] layout: TensorFlow's own sums into [width, in] and transposes
-    the whole shard (1M classes over 4 shards: 122 ms a shard, this 86 ms)."""
+    the whole shard (a 256 x 262,144 shard, 1M classes over 4: 120 ms against 37 ms)."""
     def grad(dcolumns):
         rows, width = kernel.shape  # static: the backward holds no reference to the value
-        size = int(ids.shape[0])
-        at = tf.stack([tf.broadcast_to(tf.range(rows)[:, None], [rows, size]),
-                       tf.broadcast_to(ids[None, :], [rows, size])], axis=-1)
+        # Flat positions row * width + id: one index per value, not [row, id] pairs (which
+        # took longer to build than to write).
+        index = tf.int64 if rows * width >= 2 ** 31 else tf.int32
+        at = tf.range(rows, dtype=index)[:, None] * width + tf.cast(ids, index)[None, :]
         dense = tf.raw_ops.SparseToDense(
-            sparse_indices=tf.reshape(at, [-1, 2]), output_shape=[rows, width],
+            sparse_indices=tf.reshape(at, [-1]), output_shape=[rows * width],
             sparse_values=tf.reshape(dcolumns, [-1]),
             default_value=tf.zeros([], dcolumns.dtype), validate_indices=False)
-        return dense, None
+        return tf.reshape(dense, [rows, width]), None
 
     return tf.gather(kernel, ids, axis=1), grad
 
