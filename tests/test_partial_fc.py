@@ -1,9 +1,10 @@
-"""Partial FC class sampling (HybridStrategy(sample_rate=r)): the sampled mask's rule
-(every positive, ceil(r x the shard's classes), deterministic per seed, new per step and
-shard); r < 1 as an independent numpy cross-entropy over the sampled classes, unsampled
-columns left to the optimizer (zero gradient: SGD momentum still moves them); a mask that
-keeps every class equals the exact loss on the Keras and CLI engine paths; a many-class
-task learns as well at r = 0.1; and the refusals."""
+"""Partial FC class sampling (HybridStrategy(sample_rate=r)): the sample's rule (every
+positive, ceil(r x the shard's classes), deterministic per seed, new per step and shard);
+r < 1 as an independent numpy cross-entropy over the sampled classes (loss, update, training
+accuracy and top-3 with global class ids), unsampled columns left to the optimizer (zero
+gradient: SGD momentum still moves them); the traced step's class-layer matmuls over the
+sampled columns only; a sample that keeps every class equals the exact loss on the Keras
+and CLI engine paths; a many-class task learns as well at r = 0.1; and the refusals."""
 from __future__ import annotations
 
 import math
