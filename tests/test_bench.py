@@ -74,3 +74,35 @@ def test_big_head_runs_both_trainers_in_fresh_processes(tmp_path):
     assert ratios["peak_rss"] == owt["peak_rss_bytes"] / mirrored["peak_rss_bytes"]
     assert ratios["step_time"] == owt["step_time_s"] / mirrored["step_time_s"]
     assert "owt_tf / MirroredStrategy: peak memory" in proc.stdout
+
+
+def test_big_head_times_owt_tf_at_each_sample_rate(tmp_path):
+    """`--big-head --sample-rates 1,0.25 --baseline none`: owt_tf alone, once per Partial FC
+    rate, each in its own process; the rate-0.25 run's step time and peak RSS are printed and
+    written over rate 1's. Same weights and batches: the first batch's loss differs (the
+    sampled softmax's is below the full one's)."""
+    out = tmp_path / "big_head.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "owt_tf.bench", "--big-head", "--classes", "256", "--devices", "2",
+         "--batch-size", "8", "--steps", "2", "--warmup", "1", "--baseline", "none",
+         "--sample-rates", "1,0.25", "--out", str(out)],
+        capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    full, sampled = data["records"]
+    assert [r["runner"] for r in data["records"]] == ["owt_tf", "owt_tf"]
+    assert (full["sample_rate"], sampled["sample_rate"]) == (1.0, 0.25)
+    assert sampled["how"].endswith("sample_rate 0.25") and "sample_rate" not in full["how"]
+    assert sampled["losses"][0] < full["losses"][0]
+    assert data["ratios"] is None
+    assert data["sampling_ratios"] == {"0.25": {
+        "step_time": sampled["step_time_s"] / full["step_time_s"],
+        "peak_rss": sampled["peak_rss_bytes"] / full["peak_rss_bytes"]}}
+    assert "owt_tf sample_rate 0.25 / 1: step time" in proc.stdout
+
+
+def test_big_head_rejects_a_sample_rate_outside_zero_to_one():
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.bench", "--big-head", "--sample-rates",
+                           "1,1.5"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--sample-rates: must be a number in (0, 1]" in proc.stderr

@@ -1,9 +1,10 @@
-"""Partial FC class sampling (HybridStrategy(sample_rate=r)): the sampled mask's rule
-(every positive, ceil(r x the shard's classes), deterministic per seed, new per step and
-shard); r < 1 as an independent numpy cross-entropy over the sampled classes, unsampled
-columns left to the optimizer (zero gradient: SGD momentum still moves them); a mask that
-keeps every class equals the exact loss on the Keras and CLI engine paths; a many-class
-task learns as well at r = 0.1; and the refusals."""
+"""Partial FC class sampling (HybridStrategy(sample_rate=r)): the sample's rule (every
+positive, ceil(r x the shard's classes), deterministic per seed, new per step and shard);
+r < 1 as an independent numpy cross-entropy over the sampled classes (loss, update, training
+accuracy and top-3 with global class ids), unsampled columns left to the optimizer (zero
+gradient: SGD momentum still moves them); the traced step's class-layer matmuls over the
+sampled columns only; a sample that keeps every class equals the exact loss on the Keras
+and CLI engine paths; a many-class task learns as well at r = 0.1; and the refusals."""
 from __future__ import annotations
 
 import math
@@ -17,9 +18,11 @@ import owt_tf
 from engine_harness import compare_with_reference
 from keras_models import copy_of, update_rel_diff
 from owt_tf.config import ConfigError, RunConfig
+from owt_tf.models import build_model
 from owt_tf.parallel import class_sampling
 from owt_tf.parallel.keras_compile import CompileError
 from owt_tf.parallel.plan import ParallelPlan, PlanError
+from owt_tf.training.optim import build_optimizer
 
 K, BATCH, FEATURES = 4, 16, 6
 CLASSES = 203  # padded to 204: 51 columns a shard, the last shard's last column padding
@@ -176,6 +179,76 @@ def test_unsampled_classes_are_left_to_the_optimizer(devices):
     assert np.abs(first[:, carried]).min() > 0
     np.testing.assert_array_equal(second[:, never], 0.0)
     np.testing.assert_array_equal(first[:, never], 0.0)
+
+
+@pytest.mark.parametrize("labels", ["class ids", "one-hot"])
+def test_sampled_columns_give_numpys_metrics_loss_and_update(devices, labels):
+    """2000 classes, 64 rows: each shard's sample (50 classes and room for 64 positives) is
+    a small part of its 500 columns (one-hot labels: its whole width, unsampled entries
+    masked). The training metrics read each shard's best sampled classes: their ids must be
+    the classes' global ids, not positions among the sampled columns. Half the rows are
+    labelled with their best class overall (so also the best of any sample holding it):
+    accuracy and top-3 accuracy equal numpy's on the sampled softmax, and so do the loss and
+    the update (unsampled columns unchanged)."""
+    classes, lr = 2000, 0.5
+    x, random_y = _data(K * BATCH, classes, seed=8)
+    parallel = _parallel(_linear_head(classes), devices, 0.1, keras.optimizers.SGD(lr))
+    one_hot = labels == "one-hot"
+    loss = (keras.losses.CategoricalCrossentropy(from_logits=True) if one_hot
+            else keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    top3 = (keras.metrics.TopKCategoricalAccuracy(3, name="top3") if one_hot
+            else keras.metrics.SparseTopKCategoricalAccuracy(3, name="top3"))
+    with parallel.distribute_strategy.scope():
+        parallel.compile(optimizer=keras.optimizers.SGD(lr), loss=loss, metrics=["accuracy", top3])
+    features = parallel.trunk(x, training=False).numpy().astype(np.float64)
+    kernel, bias = parallel.fc_weights()[0]
+    logits = features @ kernel + bias
+    y = np.where(np.arange(len(x)) % 2 == 0, logits.argmax(axis=1), random_y).astype(np.int32)
+    fed = np.eye(classes, dtype=np.float32)[y] if one_hot else y
+    mask = _class_mask(parallel, fed, step=0)
+    assert mask[y].all() and mask.sum() < classes // 8
+    sampled = np.where(mask[None, :], logits, -np.inf)
+    label_logit = sampled[np.arange(len(y)), y]
+    rank = (sampled > label_logit[:, None]).sum(axis=1)
+    want_loss, dkernel, dbias = _masked_reference(features, kernel, bias, y, mask)
+    logs = parallel.train_on_batch(x, fed, return_dict=True)
+    assert 0.5 <= np.mean(rank == 0) < 1.0
+    assert logs["accuracy"] == pytest.approx(np.mean(rank == 0))
+    assert logs["top3"] == pytest.approx(np.mean(rank < 3))
+    assert logs["loss"] == pytest.approx(want_loss, rel=1e-5)
+    new_kernel, new_bias = parallel.fc_weights()[0]
+    np.testing.assert_array_equal(new_kernel[:, ~mask], kernel[:, ~mask])
+    np.testing.assert_array_equal(new_bias[~mask], bias[~mask])
+    assert update_rel_diff([kernel, bias], [new_kernel, new_bias],
+                           [kernel - lr * dkernel, bias - lr * dbias]) < 1e-5
+
+
+def test_the_class_layer_multiplies_only_the_sampled_columns(devices):
+    """The speed-up itself: in the traced training step (the CLI engine's, owt-b, K rounds)
+    every matmul of the class layer, forward and backward, is over S = ceil(r x shard
+    classes) + the update's label rows columns; none over the shard's whole width."""
+    classes, rows = 4004, 4 * K  # 1001 columns a shard: a width no other tensor has
+    width, size = classes // K, math.ceil(0.1 * classes / K) + rows
+    spec = build_model("alexnet_tiny", num_classes=classes, dropout=0.0)
+    hybrid = owt_tf.HybridStrategy(devices[:K], "owt-b", 4, "global", "gather", "sharded",
+                                   sample_rate=0.1)
+    model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed=0)
+    optim = build_optimizer(hybrid, model, 0.01, 0.01, 0.9, 5e-4)
+
+    @tf.function
+    def step(x, y):
+        return hybrid.engine.train_step(model, optim, x, y, tf.constant([1, 2], tf.int32))
+
+    x = np.zeros((rows, 32, 32, 3), np.float32)
+    y = np.arange(rows, dtype=np.int32) * 250  # labels on every shard
+    graph = step.get_concrete_function(hybrid.placement.distribute_global_batch(x),
+                                       hybrid.placement.distribute_global_batch(y)).graph
+    shapes = [tuple(t.shape.as_list()) for op in graph.get_operations() if op.type == "MatMul"
+              for t in list(op.inputs) + list(op.outputs)]
+    assert not [s for s in shapes if width in s]
+    # per shard: each round's logits [rows / K, S], the kernel gradient [256, S]
+    on_sampled = [s for s in shapes if size in s]
+    assert on_sampled.count((rows // K, size)) >= K * K and (256, size) in on_sampled
 
 
 def test_evaluate_uses_every_class(devices):

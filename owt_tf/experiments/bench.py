@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 from owt_tf.cli import OneLineParser
 from owt_tf.config import PRECISIONS, SCHEMES, ConfigError
-from owt_tf.parallel.plan import Scheme
+from owt_tf.parallel.plan import Scheme, sample_rate_problem
 
 DEFAULT_SCHEMES = "single,data,owt-a,owt-b,owt-c"
 
@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default="mirrored", choices=("mirrored", "none"),
                    help="with --big-head: none runs owt_tf alone (a head MirroredStrategy "
                         "cannot hold)")
+    p.add_argument("--sample-rates", default="1",
+                   help="with --big-head: comma-separated Partial FC sample rates owt_tf trains "
+                        "at, each in its own process, e.g. 1,0.1 (step time and peak memory "
+                        "of each rate over rate 1's printed)")
     return p
 
 
@@ -378,14 +382,24 @@ def _big_head_main(parser, args) -> int:
         print(f"{parser.prog}: error: --big-head measures one K (--devices) and one "
               "model-parallel scheme (--schemes owt-a|owt-b|owt-c)", file=sys.stderr)
         return 2
+    try:
+        rates = _parse_list(args.sample_rates, float)
+    except ValueError:
+        rates = [args.sample_rates]
+    problem = next((sample_rate_problem(r) for r in rates if sample_rate_problem(r)), None)
+    if problem:
+        print(f"{parser.prog}: error: --sample-rates: {problem}", file=sys.stderr)
+        return 2
     runners = big_head.RUNNERS if args.baseline == "mirrored" else ("owt_tf",)
     k = args.devices[0]
     records = big_head.run_big_head(big_head.BigHeadArgs(
-        args.classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners))
+        args.classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners,
+        rates or [1.0]))
     print(big_head.format_big_head_table(records))
     if args.out:
         big_head.write_json(args.out, records)
-    return 0 if len(records) == len(runners) else 1
+    expected = len(rates or [1.0]) + (len(runners) - 1)
+    return 0 if len(records) == expected else 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ alone. Each reports its median step time over the timed steps (a callback times 
 batch, after the warm-up ones) and the bytes one replica sends per step: owt_tf's from the
 byte ledger of the traced step, MirroredStrategy's as the ring all-reduce of every gradient.
 The parent prints both and the ratios owt_tf / MirroredStrategy side by side.
+
+`sample_rates` (bench's --sample-rates 1,0.1): owt_tf trains once per Partial FC rate, each
+in its own process, one after the other, and the parent also prints each rate's step time
+and peak RSS over those of rate 1 (owt_tf.parallel.class_sampling).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class BigHeadRecord:
     how: str  # how it trained: "parallelize owt-b, loss on the shards", "MirroredStrategy"
     loss_mode: Optional[str] = None  # owt_tf: model.head.loss_mode
     head_shards: Optional[int] = None  # owt_tf: the FC shards of the class layer
+    sample_rate: float = 1.0  # owt_tf: Partial FC's share of each shard's classes per update
 
     @property
     def peak_growth_bytes(self) -> int:
@@ -127,7 +132,7 @@ def _fit_and_time(model, classes: int, global_batch: int, warmup: int, steps: in
 
 
 def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
-               steps: int, scheme: str) -> Dict:
+               steps: int, scheme: str, sample_rate: float = 1.0) -> Dict:
     """`owt_tf.parallelize(model).fit`; the step's collectives counted while it is traced."""
     import gc
 
@@ -135,7 +140,8 @@ def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: 
     from owt_tf.parallel import collectives as coll
 
     plain = build_big_head_model(classes)  # outside the scope: not mirrored
-    strategy = owt_tf.HybridStrategy(devices=list(devices), scheme=scheme)
+    strategy = owt_tf.HybridStrategy(devices=list(devices), scheme=scheme,
+                                     sample_rate=sample_rate)
     with strategy.scope():
         model = owt_tf.parallelize(plain, seed=0)
         _compile(model)
@@ -145,8 +151,9 @@ def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: 
         timer = _fit_and_time(model, classes, global_batch, warmup, steps)
     return dict(timer=timer, bytes_per_step=float(ledger.total),
                 bytes_by_purpose=ledger.summary(), loss_mode=model.head.loss_mode,
-                head_shards=model.head.num_shards,
-                how=f"owt_tf.parallelize {strategy.scheme}, loss {model.head.loss_mode}")
+                head_shards=model.head.num_shards, sample_rate=sample_rate,
+                how=f"owt_tf.parallelize {strategy.scheme}, loss {model.head.loss_mode}"
+                    + (f", sample_rate {sample_rate:g}" if sample_rate < 1 else ""))
 
 
 def _train_mirrored(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
@@ -180,7 +187,7 @@ def _all_reduce_bytes(variables, k: int) -> float:
 
 
 def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int, steps: int,
-              scheme: str = "owt-b") -> BigHeadRecord:
+              scheme: str = "owt-b", sample_rate: float = 1.0) -> BigHeadRecord:
     """One runner's training, in this (fresh) process."""
     import tensorflow as tf
 
@@ -190,7 +197,7 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
     devices = setup_devices(k, "cpu")
     baseline = _proc_status_bytes("VmRSS")
     if runner == "owt_tf":
-        out = _train_owt(classes, devices, global_batch, warmup, steps, scheme)
+        out = _train_owt(classes, devices, global_batch, warmup, steps, scheme, sample_rate)
     else:
         out = _train_mirrored(classes, devices, global_batch, warmup, steps)
     timer = out.pop("timer")
@@ -203,21 +210,24 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
         losses=timer.losses, **out)
 
 
-def _child_command(runner: str, args, out: str) -> List[str]:
+def _child_command(runner: str, args, out: str, sample_rate: float = 1.0) -> List[str]:
     return [sys.executable, "-m", "owt_tf.experiments.big_head", "--child", runner,
             "--classes", str(args.classes), "--devices", str(args.k),
             "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
-            "--steps", str(args.steps), "--scheme", args.scheme, "--out", out]
+            "--steps", str(args.steps), "--scheme", args.scheme,
+            "--sample-rate", repr(sample_rate), "--out", out]
 
 
-def run_in_fresh_process(runner: str, args) -> Optional[BigHeadRecord]:
+def run_in_fresh_process(runner: str, args, sample_rate: float = 1.0) -> Optional[BigHeadRecord]:
     """`runner`'s record from a child process of its own; None (and why, on stderr) when the
     child failed, e.g. out of memory."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "record.json")
-        print(f"big head: {runner}, {args.classes} classes, K={args.k} ...", file=sys.stderr,
-              flush=True)
-        proc = subprocess.run(_child_command(runner, args, out), capture_output=True, text=True)
+        rate = f", sample_rate {sample_rate:g}" if sample_rate < 1 else ""
+        print(f"big head: {runner}, {args.classes} classes, K={args.k}{rate} ...",
+              file=sys.stderr, flush=True)
+        proc = subprocess.run(_child_command(runner, args, out, sample_rate), capture_output=True,
+                              text=True)
         if proc.returncode != 0 or not os.path.exists(out):
             print(f"big head: {runner} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
                   file=sys.stderr)
@@ -227,16 +237,30 @@ def run_in_fresh_process(runner: str, args) -> Optional[BigHeadRecord]:
 
 
 def ratios(records: Sequence[BigHeadRecord]) -> Optional[Dict[str, float]]:
-    """owt_tf / MirroredStrategy for peak RSS, its growth over the start, step time and bytes;
-    None unless both ran."""
-    by = {r.runner: r for r in records}
-    if set(by) != set(RUNNERS):
+    """owt_tf (its first record at rate 1, else its first) / MirroredStrategy for peak RSS,
+    its growth over the start, step time and bytes; None unless both ran."""
+    owt = [r for r in records if r.runner == "owt_tf"]
+    mirrored = [r for r in records if r.runner == "mirrored"]
+    if not owt or not mirrored:
         return None
-    o, m = by["owt_tf"], by["mirrored"]
+    o = next((r for r in owt if r.sample_rate == 1.0), owt[0])
+    m = mirrored[0]
     return {"peak_rss": o.peak_rss_bytes / m.peak_rss_bytes,
             "peak_growth": o.peak_growth_bytes / m.peak_growth_bytes,
             "step_time": o.step_time_s / m.step_time_s,
             "bytes_per_step": o.bytes_per_step / m.bytes_per_step}
+
+
+def sampling_ratios(records: Sequence[BigHeadRecord]) -> Dict[str, Dict[str, float]]:
+    """Per sample rate < 1 (its str as key): owt_tf's step time and peak RSS at that rate over
+    those at rate 1; empty unless owt_tf ran at 1 and at another rate."""
+    owt = {r.sample_rate: r for r in records if r.runner == "owt_tf"}
+    full = owt.get(1.0)
+    if full is None:
+        return {}
+    return {f"{rate:g}": {"step_time": r.step_time_s / full.step_time_s,
+                          "peak_rss": r.peak_rss_bytes / full.peak_rss_bytes}
+            for rate, r in owt.items() if rate < 1.0}
 
 
 def format_big_head_table(records: Sequence[BigHeadRecord]) -> str:
@@ -252,6 +276,9 @@ def format_big_head_table(records: Sequence[BigHeadRecord]) -> str:
         lines.append(f"owt_tf / MirroredStrategy: peak memory {rel['peak_rss']:.2f}x "
                      f"(growth over start {rel['peak_growth']:.2f}x), step time "
                      f"{rel['step_time']:.2f}x, bytes per step {rel['bytes_per_step']:.3f}x")
+    for rate, rel in sampling_ratios(records).items():
+        lines.append(f"owt_tf sample_rate {rate} / 1: step time {rel['step_time']:.2f}x, "
+                     f"peak memory {rel['peak_rss']:.2f}x")
     return "\n".join(lines)
 
 
@@ -264,18 +291,22 @@ class BigHeadArgs:
     steps: int
     scheme: str = "owt-b"
     runners: Sequence[str] = RUNNERS
+    sample_rates: Sequence[float] = (1.0,)  # owt_tf runs once per rate
 
 
 def run_big_head(args: BigHeadArgs) -> List[BigHeadRecord]:
-    """Each runner in its own fresh process, one after the other (never two at once: they
-    would share the cores and the memory)."""
-    records = [run_in_fresh_process(runner, args) for runner in args.runners]
+    """Each runner (owt_tf: at each sample rate) in its own fresh process, one after the
+    other (never two at once: they would share the cores and the memory)."""
+    jobs = [(runner, rate) for runner in args.runners
+            for rate in (args.sample_rates if runner == "owt_tf" else (1.0,))]
+    records = [run_in_fresh_process(runner, args, rate) for runner, rate in jobs]
     return [r for r in records if r is not None]
 
 
 def write_json(path: str, records: Sequence[BigHeadRecord]) -> None:
     rows = [dict(dataclasses.asdict(r), peak_growth_bytes=r.peak_growth_bytes) for r in records]
-    data = {"records": rows, "ratios": ratios(records)}
+    data = {"records": rows, "ratios": ratios(records),
+            "sampling_ratios": sampling_ratios(records)}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
@@ -292,13 +323,14 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--scheme", default="owt-b")
+    p.add_argument("--sample-rate", type=float, default=1.0)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from owt_tf.startup import start_tensorflow
 
     start_tensorflow()
     record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,
-                       a.scheme)
+                       a.scheme, a.sample_rate)
     with open(a.out, "w") as f:
         json.dump(dataclasses.asdict(record), f)
     return 0

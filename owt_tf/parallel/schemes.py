@@ -23,6 +23,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.class_sampling import SampledColumns
 from owt_tf.parallel.plan import StepRounds
 from owt_tf.parallel.shards import ShardedHead
 
@@ -124,25 +125,26 @@ def _forward(plan: StepRounds, head: ShardedHead, rounds: Sequence[int], inputs:
         for x in inputs:
             tape.watch(x)
         with coll.deferred_backward(tape) if defer else contextlib.nullcontext([]) as cuts:
-            logits = head.forward_rounds(inputs, shard, training, seeds, rounds)
-            terms = head.loss_terms_rounds(logits, labels, shard, rounds,
-                                           _sample_seed(head, training, seeds))
+            sample = _class_sample(head, labels, shard, training, seeds)
+            logits = head.forward_rounds(inputs, shard, training, seeds, rounds, sample)
+            terms = head.loss_terms_rounds(logits, labels, shard, rounds, sample)
         if weights is not None:  # Keras' weighted reduction: sum(loss x weight) / rows
             terms = [(ce * w, right, out) for (ce, right, out), w in zip(terms, weights)]
         losses = [tf.reduce_mean(ce) * loss_weight for ce, _, _ in terms]
     return _Forward(tape, inputs, losses, terms, cuts)
 
 
-def _sample_seed(head: ShardedHead, training: bool,
-                 seeds: Sequence[Optional[tf.Tensor]]) -> Optional[tf.Tensor]:
-    """The seed of this FC update's class sample (Partial FC): its first round's, so an
-    update of several rounds (fc_batch='global') samples once for all of them, and each
-    round of fc_batch='worker' (an update of its own) samples anew. None: no sampling."""
+def _class_sample(head: ShardedHead, labels: Sequence[tf.Tensor], shard: int, training: bool,
+                  seeds: Sequence[Optional[tf.Tensor]]) -> Optional[SampledColumns]:
+    """This FC update's class sample (Partial FC), drawn from the labels before the forward
+    pass, seeded by its first round's seed: an update of several rounds (fc_batch='global')
+    samples once for all of them, and each round of fc_batch='worker' (an update of its own)
+    samples anew. None: no sampling."""
     if not training or head.sample_rate >= 1.0:
         return None
     if seeds[0] is None:
         raise ValueError("sample_rate < 1 needs the step's seed (train_step(seed=...))")
-    return seeds[0]
+    return head.sample_columns(labels, shard, seeds[0])
 
 
 def _gradients(fwd: _Forward, sources: List[tf.Tensor],

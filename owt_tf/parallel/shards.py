@@ -101,15 +101,19 @@ class ShardedDense(tf.Module):
         return kernel[:, :self.out_dim], bias[:self.out_dim]
 
     def forward_shard_rounds(self, xs: Sequence[tf.Tensor], k: int,
-                             rounds: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
+                             rounds: Optional[Sequence[int]] = None,
+                             columns: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
         """x @ kernel_k + bias_k for every round's rows x in xs, in x's dtype (float32
         weights are cast, as Keras' mixed precision does: their gradients stay float32).
         Each round's product on its own (under the name scope of round rounds[i] if given:
         it may start as soon as that round's rows arrive), their backward as one product over
         all rounds' rows (`_rounds_matmul`). For ROW, x is this shard's input slice and the
         bias slice lands on its own columns, so the all-reduce that follows adds every bias
-        once."""
-        kernel, bias = (tf.cast(v, xs[0].dtype) for v in (self.kernels[k], self.biases[k]))
+        once. `columns` (COL only): the shard's column ids to compute, not all of them."""
+        kernel, bias = self.kernels[k], self.biases[k]
+        if columns is not None:
+            kernel, bias = class_sampling.gather_columns(kernel, bias, columns)
+        kernel, bias = (tf.cast(v, xs[0].dtype) for v in (kernel, bias))
         if self.split == ROW:
             width = self.out_dim // self.num_shards
             bias = tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])
@@ -245,10 +249,12 @@ class ShardedHead(tf.Module):
 
     def forward_rounds(self, xs: Sequence[tf.Tensor], k: int, training: bool,
                        seeds: Sequence[Optional[tf.Tensor]],
-                       rounds: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
+                       rounds: Optional[Sequence[int]] = None,
+                       sample: Optional[class_sampling.SampledColumns] = None) -> List[tf.Tensor]:
         """`forward` of several rounds' rows, layer by layer: each round's compute on its own
         (xs[i] under the name scope f"fc_round{rounds[i]}" when rounds are given), one
-        collective per layer for all of them."""
+        collective per layer for all of them. With a `sample` (sample_columns) the logits
+        are of its columns only: [rows, S]."""
         layers = self.layers
         xs = [tf.cast(x, self.compute_dtype) for x in xs]
         per_round = functools.partial(_per_round, rounds=rounds)
@@ -263,7 +269,7 @@ class ShardedHead(tf.Module):
             if layer.split == COL and layers[i + 1].split == COL:
                 hs = self._gather(hs)
             xs = hs
-        return layers[-1].forward_shard_rounds(xs, k, rounds)
+        return layers[-1].forward_shard_rounds(xs, k, rounds, None if sample is None else sample.ids)
 
     def forward_assembled(self, x: tf.Tensor) -> tf.Tensor:
         """Logits [rows, classes] of `x` in inference mode, computed on one device from every
@@ -329,21 +335,14 @@ class ShardedHead(tf.Module):
 
     def loss_terms_rounds(self, logits_shards: Sequence[tf.Tensor], labels: Sequence[tf.Tensor],
                           k: int, rounds: Optional[Sequence[int]] = None,
-                          sample_seed: Optional[tf.Tensor] = None
+                          sample: Optional[class_sampling.SampledColumns] = None
                           ) -> List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]:
         """`loss_terms` of several rounds (named as in forward_rounds), each collective once
-        for all of them. `sample_seed`: a training update's seed; with sample_rate < 1 the
-        softmax then covers the classes `sampled_mask` keeps (one sample for all the rounds
-        given: they make one FC update). Without it (evaluation), every class."""
+        for all of them. `sample`: the update's sampled columns (sample_columns), which the
+        logits were computed for: the softmax covers its classes. Without it, every class."""
         per_round = functools.partial(_per_round, rounds=rounds)
-        sampled = None
-        if sample_seed is not None and self.sample_rate < 1.0:
-            if self.loss_mode != "sharded":
-                raise ValueError(f"sample_rate={self.sample_rate:g} needs the class-sharded "
-                                 "cross-entropy (loss='sharded')")
-            sampled = self.sampled_mask(labels, k, sample_seed, logits_shards[0].shape[1])
-        if self.loss_mode == "sharded" and (self.num_shards > 1 or sampled is not None):
-            return self._sharded_cross_entropy(logits_shards, labels, k, per_round, sampled)
+        if self.loss_mode == "sharded" and (self.num_shards > 1 or sample is not None):
+            return self._sharded_cross_entropy(logits_shards, labels, k, per_round, sample)
         logits_all = list(logits_shards)
         if self.num_shards > 1:
             logits_all = self._gather(logits_all, coll.LOGITS)
@@ -363,32 +362,38 @@ class ShardedHead(tf.Module):
         correct = tf.equal(tf.argmax(logits, axis=1, output_type=tf.int64), target)
         return ce, correct, outputs
 
-    def sampled_mask(self, labels: Sequence[tf.Tensor], k: int, update_seed: tf.Tensor,
-                     width: Optional[int] = None) -> tf.Tensor:
-        """bool [width]: the columns of shard k an FC update with these rows' `labels` (every
-        round of the update) keeps under Partial FC, seeded by `update_seed` (int32 [2])."""
-        width = width or self.layers[-1].padded_out // self.num_shards
-        first = k * width
+    def sample_columns(self, labels: Sequence[tf.Tensor], k: int,
+                       update_seed: tf.Tensor) -> class_sampling.SampledColumns:
+        """The columns of shard k an FC update with these rows' `labels` (every round of the
+        update) keeps under Partial FC, seeded by `update_seed` (int32 [2])."""
+        if self.loss_mode != "sharded":
+            raise ValueError(f"sample_rate={self.sample_rate:g} needs the class-sharded "
+                             "cross-entropy (loss='sharded')")
         sparse = self.sharded_loss is None or self.sharded_loss.sparse
-        positives = class_sampling.shard_positives(labels, first, width, sparse)
-        num_valid = min(width, max(0, self.spec.num_classes - first))
-        return class_sampling.sampled_classes(positives, num_valid, self.sample_rate,
-                                              class_sampling.shard_seed(update_seed, k))
+        return class_sampling.shard_sample(labels, k, self._shard_width(), self.spec.num_classes,
+                                           self.sample_rate, sparse, update_seed)
 
-    def _class_range(self, logits: tf.Tensor, k: int) -> Tuple[int, tf.Tensor]:
+    def sampled_mask(self, labels: Sequence[tf.Tensor], k: int, update_seed: tf.Tensor) -> tf.Tensor:
+        """bool [width]: `sample_columns` as a mask of shard k's columns."""
+        return class_sampling.column_mask(self.sample_columns(labels, k, update_seed))
+
+    def _shard_width(self) -> int:
+        return self.layers[-1].padded_out // self.num_shards
+
+    def _class_range(self, k: int) -> Tuple[int, tf.Tensor]:
         """Shard k's first class id and which of its columns are classes (not padding)."""
-        width = logits.shape[1]
+        width = self._shard_width()
         return k * width, tf.range(k * width, (k + 1) * width) < self.spec.num_classes
 
-    def _top_gathered(self, logits_shards, k: int, per_round, top: int):
+    def _top_gathered(self, logits_shards, k: int, per_round, top: int, sample=None):
         """Every shard's `top` best logits of each round's rows (ids too when candidates are
         wanted), all-gathered: per round, (values [n, K*top], ids [n, K*top] or None). The
         best value is the max that stabilizes the softmax (ReduceOp has no MAX)."""
-        first, _ = self._class_range(logits_shards[0], k)
+        first, _ = self._class_range(k)
         with_ids = self.candidates_k > 0
 
         def local_top(logits, r):
-            packed = shard_top_candidates(logits, first, self.spec.num_classes, top)
+            packed = class_sampling.top_candidates(logits, sample, first, self.spec.num_classes, top)
             return packed if with_ids else packed[:, :top]
 
         gathered = self._gather(per_round(local_top, logits_shards), coll.LOGITS)
@@ -396,21 +401,19 @@ class ShardedHead(tf.Module):
             return [unpack_gathered(g, self.num_shards, top) for g in gathered]
         return [(g, None) for g in gathered]
 
-    def _sharded_cross_entropy(self, logits_shards, labels, k, per_round, sampled=None):
+    def _sharded_cross_entropy(self, logits_shards, labels, k, per_round, sample=None):
         # float32 from here: sums of exponentials need its precision; what travels is
         # [n, 2 or 3] per round, and [n, 2 * candidates] for the metrics, not [n, classes].
+        # Under a sample the logits are its columns; its padding entries are out of the
+        # softmax as padding classes are.
         logits_shards = [tf.cast(l, tf.float32) for l in logits_shards]
-        width = logits_shards[0].shape[1]
-        first, valid = self._class_range(logits_shards[0], k)
-        if sampled is not None:
-            # Unsampled classes leave this update's softmax as padding does: out of the
-            # normalizer, the max and the candidates (the training metrics rank the sampled
-            # classes), so their logits get an exact zero gradient.
-            valid = valid & sampled
-            logits_shards = [tf.where(sampled[None, :], l, LOWEST) for l in logits_shards]
+        width = self._shard_width()
+        first, valid = self._class_range(k)
+        if sample is not None:
+            valid = sample.valid
         loss = self.sharded_loss or ShardedLoss()
-        top = min(max(self.candidates_k, 1), width)
-        tops = self._top_gathered(logits_shards, k, per_round, top)
+        top = min(max(self.candidates_k, 1), logits_shards[0].shape[1])
+        tops = self._top_gathered(logits_shards, k, per_round, top, sample)
         global_max = [tf.reduce_max(values, axis=1) for values, _ in tops]
 
         def local_terms(logits, r):
@@ -420,11 +423,14 @@ class ShardedHead(tf.Module):
                 # Keras takes class ids as [n] or [n, 1], of any number type
                 local_label = tf.reshape(tf.cast(labels[r], tf.int32), [-1]) - first
                 mine = (local_label >= 0) & (local_label < width)
-                picked = tf.gather(logits, tf.clip_by_value(local_label, 0, width - 1), batch_dims=1)
+                column = class_sampling.label_positions(local_label, sample, width)
+                picked = tf.gather(logits, column, batch_dims=1)
                 sums.append(tf.where(mine, picked, tf.zeros_like(picked)))
             else:
                 present = tf.where(valid[None, :], logits, 0.0)
-                sums.append(tf.reduce_sum(self._label_columns(labels[r], first, width) * present, 1))
+                columns = class_sampling.sampled_label_columns(
+                    self._label_columns(labels[r], first, width), sample)
+                sums.append(tf.reduce_sum(columns * present, 1))
                 if loss.label_smoothing:
                     sums.append(tf.reduce_sum(present, axis=1))
             return tf.stack(sums, axis=1)
@@ -479,7 +485,7 @@ class ShardedHead(tf.Module):
         gathered ([rows, 2 K top_k]), and a softmax's normalizer all-reduced ([rows])."""
         logits = tf.cast(logits_shard, tf.float32)
         top = min(top_k, logits.shape[1])
-        first, valid = self._class_range(logits, k)
+        first, valid = self._class_range(k)
         packed = shard_top_candidates(logits, first, self.spec.num_classes, top)
         values, ids = unpack_gathered(self._gather([packed], coll.LOGITS)[0], self.num_shards, top)
         global_max = tf.reduce_max(values, axis=1)
