@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from owt_tf.parallel import traffic
 
@@ -76,6 +77,7 @@ def test_big_head_runs_both_trainers_in_fresh_processes(tmp_path):
     assert "owt_tf / MirroredStrategy: peak memory" in proc.stdout
 
 
+@pytest.mark.slow
 def test_big_head_times_owt_tf_at_each_sample_rate(tmp_path):
     """`--big-head --sample-rates 1,0.25 --baseline none`: owt_tf alone, once per Partial FC
     rate, each in its own process; the rate-0.25 run's step time and peak RSS are printed and
