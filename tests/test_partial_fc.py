@@ -135,6 +135,17 @@ def _masked_reference(features, kernel, bias, labels, mask):
     return loss, features.T.astype(np.float64) @ dlogits, dlogits.sum(axis=0)
 
 
+def _assert_sgd_update_of_the_sampled(parallel, before, grads, mask, lr):
+    """After one plain SGD step: unsampled columns unchanged, the class layer's update
+    -lr x the reference gradient (to 1e-5 of the update)."""
+    (kernel, bias), (dkernel, dbias) = before, grads
+    new_kernel, new_bias = parallel.fc_weights()[0]
+    np.testing.assert_array_equal(new_kernel[:, ~mask], kernel[:, ~mask])
+    np.testing.assert_array_equal(new_bias[~mask], bias[~mask])
+    assert update_rel_diff([kernel, bias], [new_kernel, new_bias],
+                           [kernel - lr * dkernel, bias - lr * dbias]) < 1e-5
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["owt-b", "owt-a"])
 def test_sampled_loss_and_update_equal_a_numpy_reference(devices, scheme):
@@ -150,11 +161,7 @@ def test_sampled_loss_and_update_equal_a_numpy_reference(devices, scheme):
     want_loss, dkernel, dbias = _masked_reference(features, kernel, bias, y, mask)
     logs = parallel.train_on_batch(x, y, return_dict=True)
     assert logs["loss"] == pytest.approx(want_loss, rel=1e-5)
-    new_kernel, new_bias = parallel.fc_weights()[0]
-    np.testing.assert_array_equal(new_kernel[:, ~mask], kernel[:, ~mask])
-    np.testing.assert_array_equal(new_bias[~mask], bias[~mask])
-    assert update_rel_diff([kernel, bias], [new_kernel, new_bias],
-                           [kernel - lr * dkernel, bias - lr * dbias]) < 1e-5
+    _assert_sgd_update_of_the_sampled(parallel, (kernel, bias), (dkernel, dbias), mask, lr)
 
 
 def test_unsampled_classes_are_left_to_the_optimizer(devices):
@@ -216,11 +223,7 @@ def test_sampled_columns_give_numpys_metrics_loss_and_update(devices, labels):
     assert logs["accuracy"] == pytest.approx(np.mean(rank == 0))
     assert logs["top3"] == pytest.approx(np.mean(rank < 3))
     assert logs["loss"] == pytest.approx(want_loss, rel=1e-5)
-    new_kernel, new_bias = parallel.fc_weights()[0]
-    np.testing.assert_array_equal(new_kernel[:, ~mask], kernel[:, ~mask])
-    np.testing.assert_array_equal(new_bias[~mask], bias[~mask])
-    assert update_rel_diff([kernel, bias], [new_kernel, new_bias],
-                           [kernel - lr * dkernel, bias - lr * dbias]) < 1e-5
+    _assert_sgd_update_of_the_sampled(parallel, (kernel, bias), (dkernel, dbias), mask, lr)
 
 
 def test_the_class_layer_multiplies_only_the_sampled_columns(devices):
