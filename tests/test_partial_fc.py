@@ -88,8 +88,10 @@ def test_mask_keeps_every_positive_and_the_shard_quota(rate, rows):
         valid = min(width, classes - first)
         positives = class_sampling.shard_positives([labels[:rows // 2], labels[rows // 2:]],
                                                    first, width, sparse=True)
-        mask = class_sampling.sampled_classes(positives, valid, rate,
-                                              class_sampling.shard_seed(tf.constant([1, 2]), k)).numpy()
+        sample = class_sampling.sample_columns(positives, valid, rate,
+                                               class_sampling.shard_seed(tf.constant([1, 2]), k),
+                                               size=width)
+        mask = class_sampling.column_mask(sample).numpy()
         mine = {int(y) - first for y in labels.numpy() if first <= y < first + width}
         assert set(np.flatnonzero(positives.numpy())) == mine
         assert mask[sorted(mine)].all()

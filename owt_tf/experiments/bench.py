@@ -60,6 +60,14 @@ def _parse_list(text: str, kind=str) -> List:
     return [kind(part) for part in text.split(",") if part]
 
 
+def _number_or_text(text: str):
+    """`text` as a float, or as it is when it is none (for the error that names it)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m owt_tf.bench", description=__doc__,
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -382,24 +390,19 @@ def _big_head_main(parser, args) -> int:
         print(f"{parser.prog}: error: --big-head measures one K (--devices) and one "
               "model-parallel scheme (--schemes owt-a|owt-b|owt-c)", file=sys.stderr)
         return 2
-    try:
-        rates = _parse_list(args.sample_rates, float)
-    except ValueError:
-        rates = [args.sample_rates]
-    problem = next((sample_rate_problem(r) for r in rates if sample_rate_problem(r)), None)
+    rates = [_number_or_text(r) for r in _parse_list(args.sample_rates)] or [1.0]
+    problem = next(filter(None, map(sample_rate_problem, rates)), None)
     if problem:
         print(f"{parser.prog}: error: --sample-rates: {problem}", file=sys.stderr)
         return 2
     runners = big_head.RUNNERS if args.baseline == "mirrored" else ("owt_tf",)
     k = args.devices[0]
     records = big_head.run_big_head(big_head.BigHeadArgs(
-        args.classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners,
-        rates or [1.0]))
+        args.classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners, rates))
     print(big_head.format_big_head_table(records))
     if args.out:
         big_head.write_json(args.out, records)
-    expected = len(rates or [1.0]) + (len(runners) - 1)
-    return 0 if len(records) == expected else 1
+    return 0 if len(records) == len(rates) + len(runners) - 1 else 1
 
 
 if __name__ == "__main__":

@@ -132,13 +132,6 @@ def column_mask(sample: SampledColumns) -> tf.Tensor:
     return tf.scatter_nd(sample.ids[:, None], kept, [sample.width]) > 0
 
 
-def sampled_classes(positives: tf.Tensor, num_valid: int, rate: float, seed: tf.Tensor) -> tf.Tensor:
-    """bool [width]: the columns one shard keeps in an update (sample_columns' rule, as a
-    mask)."""
-    width = int(positives.shape[0])
-    return column_mask(sample_columns(positives, num_valid, rate, seed, width))
-
-
 def gather_columns(kernel: tf.Tensor, bias: tf.Tensor,
                    ids: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """The kernel's and the bias's columns `ids` (distinct): [in, S] and [S]. Their
