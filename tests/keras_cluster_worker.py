@@ -4,7 +4,8 @@ whole weights, the history and what the process saw of the cluster.
 
     python keras_cluster_worker.py DEVICES OUT_PREFIX [EPOCHS [BACKUP_DIR [STOP_AFTER]]]
 
-With BACKUP_DIR, fit runs under keras.callbacks.BackupAndRestore; with STOP_AFTER the
+With BACKUP_DIR, fit runs under keras.callbacks.BackupAndRestore (and a ModelCheckpoint and a
+TensorBoard writing under OUT_PREFIX.files); with STOP_AFTER the
 process stops (exit 3) at the end of that epoch, as an interrupted run would.
 """
 import json
@@ -42,7 +43,13 @@ def main(devices: int, out: str, epochs: int = 2, backup: str = "", stop_after: 
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     x, y = random_data(128, seed=40)
-    callbacks = [keras.callbacks.BackupAndRestore(backup)] if backup else []
+    callbacks = []
+    if backup:  # and the other callbacks that write files, into directories not made yet
+        callbacks = [keras.callbacks.BackupAndRestore(backup),
+                     keras.callbacks.ModelCheckpoint(
+                         os.path.join(f"{out}.files", "checkpoints", "e{epoch}.weights.h5"),
+                         save_weights_only=True),
+                     keras.callbacks.TensorBoard(os.path.join(f"{out}.files", "tensorboard"))]
     if stop_after:
         callbacks.append(StopAfter(stop_after))
     try:

@@ -71,8 +71,12 @@ def test_backup_and_restore_interrupted_in_a_cluster_resumes_in_one_process(tmp_
     backup = tmp_path / "backup"
     _wait([_run(2, str(tmp_path / "stopped"), config, 3, backup, 2)
            for config in _cluster_configs()], code=3)
-    # The backup is there (which worker wrote it cannot be told from the files).
+    # The backup is there (which worker wrote it cannot be told from the files); only the
+    # chief wrote the shared files: one TensorBoard event file (they are named by process).
     assert sorted(os.listdir(backup)) == ["latest.weights.h5", "training_metadata.json"]
+    files = tmp_path / "stopped.files"
+    assert sorted(os.listdir(files / "checkpoints")) == ["e1.weights.h5", "e2.weights.h5"]
+    assert len(os.listdir(files / "tensorboard" / "train")) == 1
     resumed = str(tmp_path / "resumed")
     _wait([_run(4, resumed, None, 3, backup)])
     whole = str(tmp_path / "whole")

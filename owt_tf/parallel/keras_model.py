@@ -41,7 +41,7 @@ import tensorflow as tf
 from owt_tf.devices import outside_strategy_scope
 from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel import head_state, keras_data, keras_files
+from owt_tf.parallel import head_state, keras_callbacks, keras_data, keras_files
 from owt_tf.parallel.keras_compile import (MEAN_REDUCTIONS, CompileError,  # noqa: F401
                                            GradientClip, KerasShardOptimizer,
                                            inner_optimizer as _inner,
@@ -424,8 +424,11 @@ class ParallelModel(HeadViewMixin, keras.Model):
             validation_data = self._evaluation_data(validation_data, validation_batch_size)
             self._fresh_function("test_function", validation_data)
             validation_data = self._fed(validation_data, kwargs, "validation_steps")
-        return super().fit(self._fed(train, kwargs, "steps_per_epoch"), epochs=epochs,
-                           validation_data=validation_data, shuffle=False, **kwargs)
+        train = self._fed(train, kwargs, "steps_per_epoch")
+        with keras_callbacks.chief_writes_files(kwargs.pop("callbacks", None),
+                                                self._hybrid.placement.is_chief) as callbacks:
+            return super().fit(train, epochs=epochs, validation_data=validation_data,
+                               shuffle=False, callbacks=callbacks, **kwargs)
 
     def evaluate(self, x=None, y=None, batch_size=None, sample_weight=None, **kwargs):
         """Keras' evaluate over every row (the last batch padded with rows marked invalid)."""
@@ -590,8 +593,8 @@ class ParallelModel(HeadViewMixin, keras.Model):
     @contextlib.contextmanager
     def _chief_writes(self, filepath):
         """`filepath` on the chief; elsewhere a temporary path, removed after. Every worker
-        must still write: reading the shards is a collective. Keras 3's callbacks write on
-        every worker, to the same path."""
+        must still write: reading the shards is a collective. (The same script runs on every
+        worker; fit's own file-writing callbacks: owt_tf.parallel.keras_callbacks.)"""
         if self._hybrid.placement.is_chief:
             yield filepath
             return
