@@ -220,7 +220,8 @@ def test_bf16_trains_the_demo_to_the_fp32_error_within_a_point(devices, tmp_path
     against one is no test of that: the same fp32 run (seed 0) ended at 1.11 % in one
     process and 1.95 % in another (two replicas share the CPU's threads, so reduction
     orders differ between processes), and the validation split is 359 images (0.28 points
-    each)."""
+    each). Validated and saved only at the end (nothing learned depends on it). Measured
+    that way: fp32 1.95 / 1.39 / 1.11 %, bf16 1.11 / 1.39 / 1.67 %: means 1.49 % and 1.39 %."""
     from owt_tf.config import RunConfig
     from owt_tf.training.loop import Trainer
 
@@ -228,6 +229,7 @@ def test_bf16_trains_the_demo_to_the_fp32_error_within_a_point(devices, tmp_path
     for seed in (0, 1, 2):
         for precision in errors:
             config = RunConfig.from_flags(precision=precision, seed=seed, histogram_every=0,
+                                          eval_every=0, checkpoint_every=0,
                                           logdir=str(tmp_path / f"{precision}-{seed}"))
             summary = Trainer(config, devices=devices[:2]).fit(log=lambda line: None,
                                                                progress=False)
