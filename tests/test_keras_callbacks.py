@@ -5,7 +5,7 @@ import os
 
 import keras
 
-from owt_tf.parallel.keras_callbacks import chief_writes_files
+from owt_tf.parallel.keras_callbacks import chief_path, chief_writes_files
 
 
 def _callbacks(tmp_path):
@@ -43,3 +43,13 @@ def test_another_worker_writes_its_own_scratch_copies(tmp_path):
         assert given[2].log_dir == str(tmp_path / "tb")
     assert not os.path.exists(scratch)
     assert os.listdir(tmp_path / "backup") == ["training_metadata.json"]
+
+
+def test_a_models_own_save_on_another_worker_goes_to_scratch(tmp_path):
+    wanted = str(tmp_path / "model.weights.h5")
+    with chief_path(wanted, is_chief=True) as path:
+        assert path == wanted
+    with chief_path(wanted, is_chief=False) as path:
+        assert path != wanted and os.path.basename(path) == "model.weights.h5"
+        open(path, "w").close()
+    assert not os.path.exists(os.path.dirname(path)) and not os.path.exists(wanted)

@@ -1,5 +1,7 @@
-"""Keras' file-writing callbacks in a cluster: the chief writes the paths the user gave,
-every other worker writes into a scratch directory of its own, removed when fit returns.
+"""Files on the Keras path in a cluster: the chief writes the paths the user gave, every
+other worker into a scratch directory of its own, removed after. Both a parallelized model's
+own `save` / `save_weights` (the same script runs on every worker) and fit's file-writing
+callbacks go through here.
 
 Keras 3's callbacks write from every worker to the same path as if each were alone. On a
 shared filesystem two workers creating a missing directory race (`exists`, then
@@ -19,6 +21,26 @@ import tempfile
 from typing import Iterator, List, Optional, Sequence
 
 import keras
+
+
+@contextlib.contextmanager
+def _scratch_directory() -> Iterator[str]:
+    scratch = tempfile.mkdtemp(prefix="owt_tf_worker_")
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def chief_path(filepath: str, is_chief: bool) -> Iterator[str]:
+    """`filepath` on the chief; elsewhere a path in a scratch directory, removed after. Every
+    worker must still write: reading the shards is a collective."""
+    if is_chief:
+        yield filepath
+        return
+    with _scratch_directory() as scratch:
+        yield os.path.join(scratch, os.path.basename(str(filepath)))
 
 
 def _under(scratch: str, path: str) -> str:
@@ -63,8 +85,5 @@ def chief_writes_files(callbacks: Optional[Sequence[keras.callbacks.Callback]],
     if is_chief or not callbacks or not isinstance(callbacks, (list, tuple)):
         yield callbacks
         return
-    scratch = tempfile.mkdtemp(prefix="owt_tf_worker_callbacks_")
-    try:
+    with _scratch_directory() as scratch:
         yield [_worker_copy(callback, scratch) for callback in callbacks]
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)

@@ -25,12 +25,8 @@ one-device model with the trained weights.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from typing import Dict, List, Optional
 
@@ -581,28 +577,14 @@ class ParallelModel(HeadViewMixin, keras.Model):
         plain = self.to_keras_model()
         if getattr(self, "compiled", False) and getattr(self, "optimizer", None) is not None:
             keras_files.write_state(self, plain)
-        with self._chief_writes(filepath) as path:
+        with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
             return plain.save(path, overwrite=overwrite, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Keras' save_weights (each FC layer and its slots whole: save_own_variables); in a
-        cluster only the chief's file is kept (ModelCheckpoint, BackupAndRestore)."""
-        with self._chief_writes(filepath) as path:
+        cluster only the chief's file is kept."""
+        with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
             return super().save_weights(path, overwrite=overwrite, **kwargs)
-
-    @contextlib.contextmanager
-    def _chief_writes(self, filepath):
-        """`filepath` on the chief; elsewhere a temporary path, removed after. Every worker
-        must still write: reading the shards is a collective. (The same script runs on every
-        worker; fit's own file-writing callbacks: owt_tf.parallel.keras_callbacks.)"""
-        if self._hybrid.placement.is_chief:
-            yield filepath
-            return
-        scratch = tempfile.mkdtemp(prefix="owt_tf_worker_")
-        try:
-            yield os.path.join(scratch, os.path.basename(str(filepath)))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
 
     def export(self, filepath, format="tf_saved_model", **kwargs):
         """The plain one-device model exported by Keras (a SavedModel by default)."""
