@@ -14,9 +14,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "setup_devices": "owt_tf.devices",
     "HybridStrategy": "owt_tf.parallel.strategy",
-    "parallelize": "owt_tf.parallel.keras_model",
-    "ParallelModel": "owt_tf.parallel.keras_model",
-    "ParallelPlan": "owt_tf.parallel.plan",
+    "parallelize": "owt_tf.fit.model",
+    "ParallelModel": "owt_tf.fit.model",
+    "ParallelPlan": "owt_tf.planner.plan",
     "Trainer": "owt_tf.training.loop",
     "RunConfig": "owt_tf.config",
 }

@@ -9,7 +9,7 @@ The cost model, from first principles and nothing fitted per scheme or per K:
   write their output forward and backward) and of the SGD update (read weight, gradient,
   momentum; write momentum, weight: 20 bytes per fp32 parameter) at its memory bandwidth;
 * communication: the bytes of every collective, from the same closed form the byte ledger
-  of real steps is tested against (owt_tf.parallel.traffic), over the link bandwidth, plus
+  of real steps is tested against (owt_tf.planner.traffic), over the link bandwidth, plus
   a fixed latency per collective launch. On a `shared` link (a PCIe tree through the host,
   or logical devices in one memory) all K workers' bytes cross one link one after another;
   on a switched fabric (NVSwitch) every worker has its own;
@@ -37,9 +37,9 @@ from owt_tf.cli import OneLineParser, device_counts
 from owt_tf.config import FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS, RunConfig
 from owt_tf.models.cost import NetworkCost, network_cost
 from owt_tf.models.registry import MODEL_NAMES
-from owt_tf.parallel.plan import Scheme
-from owt_tf.parallel.auto import head_reason
-from owt_tf.parallel.cost_model import (HARDWARE_NAMES, Prediction, paper_rows, preset,
+from owt_tf.planner.plan import Scheme
+from owt_tf.planner.auto import head_reason
+from owt_tf.planner.cost_model import (HARDWARE_NAMES, Prediction, paper_rows, preset,
                                         rank, runner_up, table,
                                         train_command)
 from owt_tf.startup import start_tensorflow

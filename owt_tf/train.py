@@ -43,7 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # TensorFlow loads only now, after the flags were found good.
     start_tensorflow(config.run.verbose)
     from owt_tf.data.datasets import DatasetError
-    from owt_tf.parallel.head_state import HeadStateMismatch
+    from owt_tf.parallel.head.state import HeadStateMismatch
     from owt_tf.training.checkpoint import NoReadableCheckpoint
     from owt_tf.training.loop import Trainer
     from owt_tf.training.rundir import RunDirBusy

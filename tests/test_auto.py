@@ -11,8 +11,9 @@ import pytest
 
 import owt_tf
 from owt_tf.models.cost import Uncountable, network_cost, trunk_cost
-from owt_tf.parallel import auto, cost_model
-from owt_tf.parallel.plan import SCHEMES, PlanError
+from owt_tf.planner import auto
+from owt_tf.planner import cost_model
+from owt_tf.planner.plan import SCHEMES, PlanError
 
 from keras_models import alexnet_like, random_data
 

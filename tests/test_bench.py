@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from owt_tf.parallel import traffic
+from owt_tf.planner import traffic
 
 KEYS = {"model", "scheme", "devices", "batch_size", "fc_batch", "jit", "images_per_sec",
         "step_time_s", "bytes_per_step", "peak_memory_bytes"}

@@ -144,7 +144,7 @@ def test_a_run_with_the_old_flat_run_config_still_loads_and_resumes(devices, tmp
 
 
 def test_checkpoints_use_the_keras_files_keys_and_old_momentum_names_still_load(devices, tmp_path):
-    """One key scheme for the head's state (owt_tf.parallel.head_state): a CLI checkpoint
+    """One key scheme for the head's state (owt_tf.parallel.head.state): a CLI checkpoint
     names SGD's momentum as slot 0, as a Keras weights file does; a checkpoint written with
     the names of earlier versions (fc{i}_kernel_momentum) resumes exactly."""
     base = RunConfig.from_flags(scheme="owt-b", devices=2, batch_size=8, fc_batch="worker",

@@ -7,8 +7,8 @@ import pytest
 
 from engine_harness import DISTINCT_FC_LR, compare_with_reference
 from owt_tf.models.cost import network_cost
-from owt_tf.parallel import cost_model
-from owt_tf.parallel import traffic
+from owt_tf.planner import cost_model
+from owt_tf.planner import traffic
 
 TOL = 1e-5
 # Each weight's update against the reference's (per tensor, relative to the update): fp32

@@ -9,7 +9,7 @@ import tensorflow as tf
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel import HybridStrategy
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.shards import ShardedHead
+from owt_tf.parallel.head.shards import ShardedHead
 
 
 def _weights(rng, widths):

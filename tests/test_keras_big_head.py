@@ -13,8 +13,8 @@ import pytest
 import owt_tf
 from keras_models import conv_dense_net, copy_of, update_rel_diff
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel import keras_model
-from owt_tf.parallel.keras_compile import CompileError
+from owt_tf.fit import model as keras_model
+from owt_tf.fit.compiling import CompileError
 
 CLASSES, K, BATCH, LR = 2003, 4, 32, 0.1  # 2003: the class layer is padded to 2004
 
@@ -198,8 +198,8 @@ def test_strategy_sharded_loss_refuses_what_it_cannot_compute(devices, settings,
 def test_auto_choosing_the_sharded_loss_never_makes_compile_refuse(devices, monkeypatch):
     """scheme='auto' picks the loss before the compiled loss is known: when it picked
     'sharded' and the loss cannot be, compile warns and gathers instead of refusing."""
-    from owt_tf.parallel import auto
-    from owt_tf.parallel.cost_model import preset
+    from owt_tf.planner import auto
+    from owt_tf.planner.cost_model import preset
 
     monkeypatch.setattr(auto, "run_hardware", lambda devices: preset("h100-nvlink"))
     monkeypatch.setattr(auto, "choose", lambda *a, **kw: auto.AutoChoice(

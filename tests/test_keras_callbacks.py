@@ -1,11 +1,11 @@
-"""owt_tf.parallel.keras_callbacks: in a cluster only the chief writes the paths a user gave
+"""owt_tf.fit.callbacks: in a cluster only the chief writes the paths a user gave
 Keras' file-writing callbacks; another worker writes its own scratch copy, and restores
 from the chief's backup. (The 2-worker run: tests/test_keras_cluster.py.)"""
 import os
 
 import keras
 
-from owt_tf.parallel.keras_callbacks import chief_path, chief_writes_files
+from owt_tf.fit.callbacks import chief_path, chief_writes_files
 
 
 def _callbacks(tmp_path):

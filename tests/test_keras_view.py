@@ -1,4 +1,4 @@
-"""What Keras' inspection tools see of a parallelized model (owt_tf.parallel.keras_view):
+"""What Keras' inspection tools see of a parallelized model (owt_tf.fit.view):
 summary, count_params, get_layer and TensorBoard's weight histograms show the user's layers
 with the head's weights whole, as for the plain model, while Keras' optimizer and weight files
 still never see the FC shards. K=4 pads the 10 classes to 12: a count or a value taken from the
@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import owt_tf
 from keras_models import alexnet_like, batchnorm_trunk, copy_of, random_data
-from owt_tf.parallel.keras_view import DenseView, ReadOnlyView
+from owt_tf.fit.view import DenseView, ReadOnlyView
 
 BATCH = 32
 DENSE = ("fc1", "fc2", "predictions")  # alexnet_like's head

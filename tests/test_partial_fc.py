@@ -19,9 +19,9 @@ from engine_harness import compare_with_reference
 from keras_models import copy_of, update_rel_diff
 from owt_tf.config import ConfigError, RunConfig
 from owt_tf.models import build_model
-from owt_tf.parallel import class_sampling
-from owt_tf.parallel.keras_compile import CompileError
-from owt_tf.parallel.plan import ParallelPlan, PlanError
+from owt_tf.parallel.head import sampling as class_sampling
+from owt_tf.fit.compiling import CompileError
+from owt_tf.planner.plan import ParallelPlan, PlanError
 from owt_tf.training.optim import build_optimizer
 
 K, BATCH, FEATURES = 4, 16, 6

@@ -19,7 +19,7 @@ from engine_harness import (CONV_LR, FC_LR, MOMENTUM, WD, changed_tensors, check
 from keras_models import alexnet_like, copy_of, dataset, random_data
 from owt_tf.models import build_model
 from owt_tf.models.split import UnsupportedModel
-from owt_tf.parallel import traffic
+from owt_tf.planner import traffic
 from owt_tf.parallel.precision import keras_policy
 from reference import ReferenceModel, rel_err
 

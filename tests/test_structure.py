@@ -9,7 +9,7 @@ from typing import Iterator, Tuple
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "owt_tf"
-LIBRARY = ("parallel", "training", "models", "data")
+LIBRARY = ("planner", "parallel", "fit", "training", "models", "data", "config")
 ENTRY_POINTS = ("train", "evaluate", "export", "bench", "plan", "study", "launch")
 # The experiment drivers behind `python -m owt_tf.bench` / `owt_tf.study`, and the flag
 # parsing the entry points share, belong to the entry points' side too.
@@ -92,8 +92,8 @@ def test_the_check_sees_every_kind_of_import(tmp_path):
 
 
 def test_the_config_imports_nothing_from_training():
-    path = PACKAGE / "config.py"
-    found = [m for _, m in imported_modules(path) if m.startswith("owt_tf.training")]
+    found = [m for path in (PACKAGE / "config").rglob("*.py") for _, m in imported_modules(path)
+             if m.startswith(("owt_tf.training", "owt_tf.parallel", "owt_tf.fit"))]
     assert not found, found
 
 
@@ -155,3 +155,18 @@ def test_the_circle_check_finds_a_circle_through_a_function_level_import(tmp_pat
         "owt_tf.config", "owt_tf.models.registry", "owt_tf.devices", "owt_tf.config"]
     (pkg / "devices.py").write_text("Y = 2\n")
     assert import_circle(_module_graph(pkg)) is None
+
+
+def test_the_planner_imports_no_tensorflow():
+    """The planner is pure Python: `python -m owt_tf.plan` and the CLI's checks price and
+    check a plan on a machine where TensorFlow has not loaded (or is not installed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, owt_tf.planner.plan, owt_tf.planner.ledger, owt_tf.planner.traffic, "
+            "owt_tf.planner.cost_model, owt_tf.planner.hardware, owt_tf.planner.auto, "
+            "owt_tf.config\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
+            "print(','.join(loaded))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", out.stdout

@@ -5,7 +5,7 @@ import pytest
 
 from owt_tf.models.cost import NetworkShape
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel import traffic
+from owt_tf.planner import traffic
 
 ALEXNET = traffic.NetworkShape(trunk_params=2_469_696, features=9216, hidden=(4096, 4096),
                                num_classes=1000)
@@ -79,8 +79,8 @@ def test_colrow_is_a_column_row_pair_with_one_all_reduce_each_way():
     joined by one all-reduce forward and one backward, and no gather between FC layers (so
     colrow degraded to gather fails here); gather: one gather and its reduce-scatter per
     hidden layer. The engine's own layout equals this statement."""
-    from owt_tf.parallel.shards import COL, ROW
-    from owt_tf.parallel.shards import layer_splits as engine_splits
+    from owt_tf.parallel.head.shards import COL, ROW
+    from owt_tf.parallel.head.shards import layer_splits as engine_splits
 
     assert traffic.layer_splits(3, "colrow") == [traffic.BY_OUTPUTS, traffic.BY_INPUTS,
                                                  traffic.BY_OUTPUTS]

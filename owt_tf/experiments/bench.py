@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 from owt_tf.cli import OneLineParser
 from owt_tf.config import PRECISIONS, SCHEMES, ConfigError
-from owt_tf.parallel.plan import Scheme, sample_rate_problem
+from owt_tf.planner.plan import Scheme, sample_rate_problem
 
 DEFAULT_SCHEMES = "single,data,owt-a,owt-b,owt-c"
 

@@ -14,7 +14,7 @@ The parent prints both and the ratios owt_tf / MirroredStrategy side by side.
 
 `sample_rates` (bench's --sample-rates 1,0.1): owt_tf trains once per Partial FC rate, each
 in its own process, one after the other, and the parent also prints each rate's step time
-and peak RSS over those of rate 1 (owt_tf.parallel.class_sampling).
+and peak RSS over those of rate 1 (owt_tf.parallel.head.sampling).
 """
 from __future__ import annotations
 

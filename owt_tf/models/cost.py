@@ -2,7 +2,7 @@
 read off the real Keras trunk and the model's HeadSpec (forward 2 FLOPs per multiply-add;
 training = forward + input gradient + weight gradient = 3x forward, 2x for the first weight
 layer, which needs no input gradient). `NetworkShape` is the part the closed-form traffic
-(owt_tf.parallel.traffic) depends on.
+(owt_tf.planner.traffic) depends on.
 
 Building the trunk imports TensorFlow; importing this module does not.
 """

@@ -1,6 +1,6 @@
 """The parallelism plan: FC shards, schemes, collectives and HybridStrategy. No training loop.
 
-Loads lazily: `owt_tf.parallel.plan` is pure Python, so the CLI checks a plan before
+Loads lazily: `owt_tf.planner.plan` is pure Python, so the CLI checks a plan before
 TensorFlow is imported.
 """
 import importlib
@@ -8,10 +8,10 @@ import importlib
 _LAZY = {
     "DistributedModel": "owt_tf.parallel.strategy",
     "HybridStrategy": "owt_tf.parallel.strategy",
-    "StepRounds": "owt_tf.parallel.plan",
-    "Scheme": "owt_tf.parallel.plan",
-    "ParallelPlan": "owt_tf.parallel.plan",
-    "parallelize": "owt_tf.parallel.keras_model",
+    "StepRounds": "owt_tf.planner.plan",
+    "Scheme": "owt_tf.planner.plan",
+    "ParallelPlan": "owt_tf.planner.plan",
+    "parallelize": "owt_tf.fit.model",
 }
 
 

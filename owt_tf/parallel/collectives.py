@@ -2,7 +2,7 @@
 
 Each wrapper issues one of the strategy's collective ops in replica context, through the
 strategy's own per-replica launcher (its group, instance keys and ordering token), and,
-while a `TrafficLedger` is recording (owt_tf.parallel.ledger, which also holds the cost of
+while a `TrafficLedger` is recording (owt_tf.planner.ledger, which also holds the cost of
 each collective and the purposes re-exported here for the engine's calls), adds the bytes
 one worker sends for it (it receives as many: all of these collectives are symmetric).
 
@@ -35,9 +35,10 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.parallel import launchers, ledger
+from owt_tf.parallel import launchers
+from owt_tf.planner import ledger
 # The purposes and cost helpers, re-exported: the engine names a collective's purpose as coll.X.
-from owt_tf.parallel.ledger import (ACTIVATIONS, CONV_GRAD, FC_EXCHANGE, FC_GRAD, LABELS,  # noqa: F401
+from owt_tf.planner.ledger import (ACTIVATIONS, CONV_GRAD, FC_EXCHANGE, FC_GRAD, LABELS,  # noqa: F401
                                     LOGITS, PURPOSES, TrafficLedger, all_gather_cost,
                                     all_reduce_cost, all_to_all_keys_collide, broadcast_cost,
                                     engine_reduce_scatter_cost, joins_rounds, recording,

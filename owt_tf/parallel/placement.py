@@ -22,9 +22,9 @@ from owt_tf.devices import (make_multiworker_strategy, make_strategy, outside_st
                             replica_devices)
 from owt_tf.models.spec import ModelSpec
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.plan import ParallelPlan, PlanError
+from owt_tf.planner.plan import ParallelPlan, PlanError
 from owt_tf.parallel.precision import keras_policy
-from owt_tf.parallel.shards import ShardedHead, ShardReader, read_local_shards
+from owt_tf.parallel.head.shards import ShardedHead, ShardReader, read_local_shards
 
 
 @dataclasses.dataclass

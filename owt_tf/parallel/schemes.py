@@ -23,9 +23,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.class_sampling import SampledColumns
-from owt_tf.parallel.plan import StepRounds
-from owt_tf.parallel.shards import ShardedHead
+from owt_tf.parallel.head.sampling import SampledColumns
+from owt_tf.planner.plan import StepRounds
+from owt_tf.parallel.head.shards import ShardedHead
 
 Backward = Callable[[List[tf.Tensor]], tf.Tensor]
 

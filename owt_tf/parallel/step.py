@@ -18,9 +18,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.plan import StepRounds
+from owt_tf.planner.plan import StepRounds
 from owt_tf.parallel.schemes import RoundsResult, run_fc_rounds, unscaled
-from owt_tf.parallel.shards import ShardedHead
+from owt_tf.parallel.head.shards import ShardedHead
 
 # images -> (last conv activations, extra trunk loss or None). The extra loss (a Keras
 # trunk's regularization losses) is added to the trunk's objective once per model.

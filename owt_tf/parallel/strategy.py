@@ -5,7 +5,7 @@ devices, cluster, the wrapped MirroredStrategy, own rows, shard placement), the 
 plan (`parallel_plan`: scheme, FC batch and exchange, loss, precision, XLA), and, once the
 plan is concrete, the CLI's steps (`engine`). What tf.distribute has no notion of -- FC
 layers whose shards live one per device, activations moved between replicas by a scheme,
-the byte ledger -- lives in those parts (owt_tf.parallel.shards, .schemes, .step).
+the byte ledger -- lives in those parts (owt_tf.parallel.head.shards, .schemes, .step).
 
 Usage (the CLI's loop; Keras users call owt_tf.parallelize inside `scope()`):
 
@@ -24,11 +24,11 @@ import tensorflow as tf
 
 from owt_tf.cluster import Cluster, resolve_cluster
 from owt_tf.models.cost import NetworkCost
-from owt_tf.parallel.auto import AutoChoice, resolve_auto
-from owt_tf.parallel.cost_model import OWT_SCHEMES
-from owt_tf.parallel.engine import Engine
+from owt_tf.planner.auto import AutoChoice, resolve_auto
+from owt_tf.planner.cost_model import OWT_SCHEMES
+from owt_tf.training.driver import Engine
 from owt_tf.parallel.placement import DistributedModel, Placement  # noqa: F401 (public)
-from owt_tf.parallel.plan import (AUTO, ParallelPlan, PlanError, StepRounds,
+from owt_tf.planner.plan import (AUTO, ParallelPlan, PlanError, StepRounds,
                                   check_auto_processes)
 
 _ACTIVE: List["HybridStrategy"] = []  # entered HybridStrategy scopes, innermost last
@@ -53,14 +53,14 @@ class HybridStrategy:
     by the CLI's loop, which knows it up front; Keras' `fit` takes it from the data.
 
     `scheme="auto"`: the scheme, `fc_exchange` and `loss` are left to the planner
-    (owt_tf.parallel.auto) and chosen by `choose_scheme` when the model is known: by
+    (owt_tf.planner.auto) and chosen by `choose_scheme` when the model is known: by
     `owt_tf.parallelize(model)`, the first place where both the model and K are known (the
     strategy is built before the model, inside whose scope the model is made), and by the
     CLI's Trainer once its model is built. `fc_exchange` and `loss` given with it are then
     ignored; `fc_batch` and `jit` are kept. One process only: the workers of a cluster
     could measure different hardware and pick different schemes.
 
-    `sample_rate` r in (0, 1]: Partial FC class sampling (owt_tf.parallel.class_sampling).
+    `sample_rate` r in (0, 1]: Partial FC class sampling (owt_tf.parallel.head.sampling).
     Each training update's softmax covers, on every shard, the classes labelled in the
     update's rows plus random others, ceil(r x the shard's classes) in all; 1 (default) is
     the exact loss. r < 1 needs the class-sharded cross-entropy: the CLI's loss='sharded',
@@ -112,7 +112,7 @@ class HybridStrategy:
                       schemes: Sequence[str] = OWT_SCHEMES, note: str = "") -> AutoChoice:
         """Resolves `scheme="auto"` for a model of cost `net` (None: one the cost model
         cannot count, `note` says why; `hidden`: its hidden FC widths) on this process's
-        hardware (owt_tf.parallel.auto.resolve_auto). Sets the plan and returns the choice."""
+        hardware (owt_tf.planner.auto.resolve_auto). Sets the plan and returns the choice."""
         if self.parallel_plan is not None:
             raise PlanError("scheme", f"already {self.scheme}: choose_scheme resolves 'auto' once")
         plan, choice = resolve_auto(self._requested, net, self.placement.local_devices,

@@ -36,9 +36,9 @@ import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
 from tensorflow.python.trackable import base as trackable  # _serialize_to_tensors API
 
-from owt_tf.parallel import head_state
-from owt_tf.parallel.head_state import HeadStateMismatch
-from owt_tf.parallel.shards import ShardReader, read_local_shards
+from owt_tf.parallel.head import state as head_state
+from owt_tf.parallel.head.state import HeadStateMismatch
+from owt_tf.parallel.head.shards import ShardReader, read_local_shards
 
 CONFIG_FILE = "run_config.json"
 # run_config.json: the config's sections, and under this key what the checkpoints must match
@@ -115,7 +115,7 @@ def _warn(line: str) -> None:
 
 class FcState(trackable.Trackable):
     """Every FC layer and its momentum as whole tensors, whatever the device layout, under
-    the key scheme both front doors share (owt_tf.parallel.head_state).
+    the key scheme both front doors share (owt_tf.parallel.head.state).
 
     In a cluster each process holds only its own shards; `read_shards` then gathers the
     others' (a collective: every worker saves, as TF's multi-worker checkpointing asks).

@@ -25,7 +25,7 @@ from owt_tf.data.datasets import DatasetError, StreamDataset, load_dataset
 from owt_tf.data.stats import settle_normalisation
 from owt_tf.devices import DeviceError, setup_devices
 from owt_tf.models import build_model
-from owt_tf.parallel.plan import AUTO, PlanError
+from owt_tf.planner.plan import AUTO, PlanError
 from owt_tf.parallel.precision import DynamicLossScale
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.checkpoint import CONFIG_FILE, RunCheckpoints

@@ -10,7 +10,7 @@ context with MirroredStrategy (its maybe_merge_call needs a replica context). Be
 K replica gradients are summed, each replica adds weight_decay/K * w.
 
 FC shards are never all-reduced: each replica updates its own shard in place with the same
-rule (`ShardSGD`, an owt_tf.parallel.head_state.ShardOptimizer, so the head's state is
+rule (`ShardSGD`, an owt_tf.parallel.head.state.ShardOptimizer, so the head's state is
 saved as the Keras path saves it). Passing shard gradients through Keras' all-reduce raises no error and
 gives silently wrong weights (docs/design.md), so the two kinds never share an optimizer.
 """

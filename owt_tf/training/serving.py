@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from owt_tf.data.datasets import ArrayDataset, load_dataset
 from owt_tf.data.preprocess import eval_preprocess
-from owt_tf.parallel.shards import ShardedHead
+from owt_tf.parallel.head.shards import ShardedHead
 
 EXPORT_METADATA = "owt_tf_export.json"
 EXPORT_SIGNATURE = "serving_default"

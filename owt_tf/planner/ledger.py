@@ -11,7 +11,7 @@ docs/paper.md counts them:
 except that the engine's reduce-scatter is an all-reduce from K = 12 on
 (engine_reduce_scatter_cost). The engine's collectives (owt_tf.parallel.collectives) add
 to the ledger being `recording` while a step is traced; the closed form of each scheme
-(owt_tf.parallel.traffic) and the planner price steps with the same formulas. No
+(owt_tf.planner.traffic) and the planner price steps with the same formulas. No
 TensorFlow here: the CLI prices plans before TensorFlow loads.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from owt_tf.devices import outside_strategy_scope
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.shards import ShardedHead
+from owt_tf.parallel.head.shards import ShardedHead
 
 # Optimizers whose update of each weight depends only on that weight's own gradient and
 # state, so that updating a shard equals updating its part of the whole layer.

@@ -11,7 +11,7 @@ The model is split (owt_tf.models.split) into its trunk, cloned inside the strat
 (mirrored: data parallel), and its Dense head, placed as FC shards by the strategy. The
 result is a `keras.Model` whose `train_step` runs the same replica step as the CLI
 (owt_tf.parallel.step) and whose `fit` / `evaluate` / `predict` are Keras' own, fed with
-static global batches (owt_tf.parallel.keras_data).
+static global batches (owt_tf.fit.data).
 
 Optimizers: the compiled optimizer updates the trunk (Keras all-reduces its gradients);
 the FC shards get one clone of it (or of `fc_optimizer`) per shard, on the shard's device,
@@ -37,18 +37,21 @@ import tensorflow as tf
 from owt_tf.devices import outside_strategy_scope
 from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel import head_state, keras_callbacks, keras_data, keras_files
-from owt_tf.parallel.keras_compile import (MEAN_REDUCTIONS, CompileError,  # noqa: F401
+from owt_tf.parallel.head import state as head_state
+from owt_tf.fit import callbacks as keras_callbacks
+from owt_tf.fit import data as keras_data
+from owt_tf.fit import files as keras_files
+from owt_tf.fit.compiling import (MEAN_REDUCTIONS, CompileError,  # noqa: F401
                                            GradientClip, KerasShardOptimizer,
                                            inner_optimizer as _inner,
                                            loss_divisor, loss_reduction, per_example_loss,
                                            rate_ratio, refuse_for_fc_batch, refuse_optimizer,
                                            refuse_settings)
-from owt_tf.parallel.keras_updates import StepUpdates
-from owt_tf.parallel.keras_view import HeadViewMixin
-from owt_tf.parallel.plan import AUTO, PlanError, StepRounds
+from owt_tf.fit.updates import StepUpdates
+from owt_tf.fit.view import HeadViewMixin
+from owt_tf.planner.plan import AUTO, PlanError, StepRounds
 from owt_tf.parallel.schemes import round_weights
-from owt_tf.parallel.sharded_metrics import join_rounds, loss_on_shards, map_rows, metric_inputs
+from owt_tf.parallel.head.metrics import join_rounds, loss_on_shards, map_rows, metric_inputs
 from owt_tf.parallel.step import replica_logit_shard, replica_train_step, shard_index, whole_logits
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
 
@@ -155,7 +158,7 @@ def _warn_if_large(data: tf.data.Dataset, classes: int) -> None:
 class ParallelModel(HeadViewMixin, keras.Model):
     """A Keras model whose trunk is data parallel and whose Dense head is sharded (see the
     module docstring). Build it with `owt_tf.parallelize`. What summary, get_layer,
-    count_params and TensorBoard see of the head: owt_tf.parallel.keras_view."""
+    count_params and TensorBoard see of the head: owt_tf.fit.view."""
 
     def __init__(self, hybrid: HybridStrategy, split: KerasSplit, source: dict, seed: int):
         # A float16 head: the model's policy is mixed_float16, so that Keras' compile adds its
@@ -229,7 +232,7 @@ class ParallelModel(HeadViewMixin, keras.Model):
 
     def _loss_placement(self, loss, metrics, weighted_metrics):
         """(ShardedLoss, candidates per shard): the loss and metrics computed on the shards,
-        never gathering the logits, whenever that is exact (owt_tf.parallel.sharded_metrics),
+        never gathering the logits, whenever that is exact (owt_tf.parallel.head.metrics),
         else (None, 0). HybridStrategy(loss='sharded') insists on it, unless the planner
         chose it (scheme='auto': the compiled loss was not known then)."""
         spec = self.head.spec
@@ -572,7 +575,7 @@ class ParallelModel(HeadViewMixin, keras.Model):
     def save(self, filepath, overwrite=True, **kwargs):
         """The model as a plain one-device Keras model (`.keras`): it loads without owt_tf,
         compiled as this one, with the optimizer's state (trunk and every shard, whole;
-        owt_tf.parallel.keras_files), so that `load_model` + `fit` continues the run, and
+        owt_tf.fit.files), so that `load_model` + `fit` continues the run, and
         `parallelize` of the loaded model continues it at any K."""
         plain = self.to_keras_model()
         if getattr(self, "compiled", False) and getattr(self, "optimizer", None) is not None:

@@ -22,10 +22,10 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.models.spec import HeadSpec
-from owt_tf.parallel import class_sampling
+from owt_tf.parallel.head import sampling as class_sampling
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.plan import widths_problem
-from owt_tf.parallel.sharded_metrics import (LOWEST, ShardedLoss, TopCandidates, best_of,
+from owt_tf.planner.plan import widths_problem
+from owt_tf.parallel.head.metrics import (LOWEST, ShardedLoss, TopCandidates, best_of,
                                              shard_top_candidates, unpack_gathered)
 
 COL, ROW = "col", "row"
@@ -187,7 +187,7 @@ class ShardedHead(tf.Module):
         self.num_shards = k
         self.loss_mode = loss
         # Partial FC: the share of each shard's classes a training update's softmax keeps
-        # (owt_tf.parallel.class_sampling); 1: all, the exact loss.
+        # (owt_tf.parallel.head.sampling); 1: all, the exact loss.
         self.sample_rate = class_sampling.check_sample_rate(sample_rate)
         # What the FC layers compute in and their inputs and outputs travel in; the loss is
         # always float32 (a bfloat16 or float16 softmax loses the small probabilities).

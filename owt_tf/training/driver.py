@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.placement import DistributedModel, Placement
-from owt_tf.parallel.plan import ParallelPlan, StepRounds
-from owt_tf.parallel.shards import assemble
+from owt_tf.planner.plan import ParallelPlan, StepRounds
+from owt_tf.parallel.head.shards import assemble
 from owt_tf.parallel.step import replica_logits, replica_train_step
 
 

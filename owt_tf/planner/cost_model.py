@@ -6,7 +6,7 @@ nothing fitted per scheme or per K.
   write their output forward and backward) and of the SGD update (read weight, gradient,
   momentum; write momentum, weight: 20 bytes per fp32 parameter) at its memory bandwidth;
 * communication: the bytes of every collective, from the same closed form the byte ledger
-  of real steps is tested against (owt_tf.parallel.traffic), over the link bandwidth, plus
+  of real steps is tested against (owt_tf.planner.traffic), over the link bandwidth, plus
   a fixed latency per collective launch. On a `shared` link (a PCIe tree through the host,
   or logical devices in one memory) all K workers' bytes cross one link one after another;
   on a switched fabric (NVSwitch) every worker has its own;
@@ -15,7 +15,7 @@ nothing fitted per scheme or per K.
 
 Also here: the hardware presets (datasheet figures; the K20's sustained FLOP/s from the
 paper's 1-GPU row, priced with this model; `cpu` measured on this machine by
-owt_tf.parallel.hardware, which also defines what a machine is), the seed papers' alternatives priced
+owt_tf.planner.hardware, which also defines what a machine is), the seed papers' alternatives priced
 with the same primitives, the fastest configuration per K, and the paper's Table 1
 speedups predicted. `python -m owt_tf.plan` prints all of it.
 """
@@ -26,10 +26,10 @@ import functools
 from typing import Dict, List, Optional, Sequence
 
 from owt_tf.models.cost import NetworkCost, network_cost
-from owt_tf.parallel import ledger as coll
-from owt_tf.parallel import traffic
-from owt_tf.parallel.hardware import Hardware, measure_cpu
-from owt_tf.parallel.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PARALLEL_SCHEMES,
+from owt_tf.planner import ledger
+from owt_tf.planner import traffic
+from owt_tf.planner.hardware import Hardware, measure_cpu
+from owt_tf.planner.plan import (FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PARALLEL_SCHEMES,
                                   SCHEMES, VALUE_BYTES, Scheme, widths_problem)
 
 # Pure Python (TensorFlow loads only to measure the CPU), so that `python -m owt_tf.plan`
@@ -87,7 +87,7 @@ def preset(name: str, devices: int = 8) -> Hardware:
                    f"the K20 run's utilization, {memory / 1e12:.2f} TB/s HBM, NVLink 4 900 GB/s "
                    "both ways through NVSwitch; ~5 us per collective (NCCL small-message latency)")
     if name == "cpu":
-        return measure_cpu(devices)  # owt_tf.parallel.hardware: imports TensorFlow
+        return measure_cpu(devices)  # owt_tf.planner.hardware: imports TensorFlow
     raise ValueError(f"unknown hardware {name!r}; known: {', '.join(HARDWARE_NAMES)}")
 
 
@@ -207,8 +207,8 @@ def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int
     hidden = 0.0
     if rounds > 1:
         # two-stage pipeline: exchange of round r+1 under the FC work of round r
-        a = seconds[coll.ACTIVATIONS] / rounds
-        f = (fc + fc_update + seconds[coll.FC_EXCHANGE] + seconds[coll.LOGITS]) / rounds
+        a = seconds[ledger.ACTIVATIONS] / rounds
+        f = (fc + fc_update + seconds[ledger.FC_EXCHANGE] + seconds[ledger.LOGITS]) / rounds
         hidden = (rounds - 1) * min(a, f)
     return _result(scheme, k, b, b if fc_updates > 1 else per_round_fc * rounds, fc_exchange, loss,
                    compute, comm, hidden, nbytes, baseline, fc_batch if rounds > 1 else "global",
@@ -223,7 +223,7 @@ def _model_parallel_exchange(net: NetworkCost, g: int, rows: int, value_bytes: i
     nbytes, calls = 0, 0
     for floats in boundaries:
         block = rows * floats * value_bytes
-        nbytes += coll.all_gather_cost(block // g, g) + coll.reduce_scatter_cost(block, g)
+        nbytes += ledger.all_gather_cost(block // g, g) + ledger.reduce_scatter_cost(block, g)
         calls += 2
     return nbytes, calls
 
@@ -263,7 +263,7 @@ def predict_alternative(net: NetworkCost, hw: Hardware, scheme: str, k: int, bat
                        precision=precision)
     if scheme == "async-ps":
         # parameters sharded over the K devices: push gradients to, pull weights from each shard
-        nbytes = coll.all_reduce_cost(net.params * F32, k)
+        nbytes = ledger.all_reduce_cost(net.params * F32, k)
         compute = work + _update_seconds(net.params, mem)
         comm = _link_seconds(nbytes, 2, k, hw)
         return _result(scheme, k, b, b, "-", "-", compute, comm, min(comm, compute), nbytes, baseline,
@@ -272,7 +272,7 @@ def predict_alternative(net: NetworkCost, hw: Hardware, scheme: str, k: int, bat
         g = min(GROUP, k)
         groups = k // g
         mp_bytes, mp_calls = _model_parallel_exchange(net, g, g * b, value_bytes)
-        dp_bytes = coll.all_reduce_cost(net.params // g * F32, groups) if groups > 1 else 0
+        dp_bytes = ledger.all_reduce_cost(net.params // g * F32, groups) if groups > 1 else 0
         nbytes = mp_bytes + dp_bytes
         compute = work + _update_seconds(net.params / g, mem)
         comm = _link_seconds(nbytes, mp_calls + (1 if groups > 1 else 0), k, hw)

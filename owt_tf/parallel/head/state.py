@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.parallel.shards import ShardedHead, ShardReader, read_local_shards
+from owt_tf.parallel.head.shards import ShardedHead, ShardReader, read_local_shards
 
 KIND_KEY = "fc_optimizer_kind"
 ITERATIONS_KEY = "fc_iterations"
@@ -35,7 +35,7 @@ class HeadStateMismatch(ValueError):
 
 class ShardOptimizer(Protocol):
     """What updates the FC shards of one process: the CLI's SGD (owt_tf.training.optim) and
-    Keras optimizers cloned per shard (owt_tf.parallel.keras_model) implement it."""
+    Keras optimizers cloned per shard (owt_tf.fit.model) implement it."""
 
     kind: str  # the optimizer's class name: slots restore only into the same kind
     num_slots: int  # state tensors per weight (SGD with momentum: 1, Adam: 2)

@@ -1,7 +1,7 @@
 """`scheme="auto"`: the planner's choice of scheme, FC exchange and loss for the hardware this
 process has and the model and K at hand.
 
-The choice is the first row of owt_tf.parallel.cost_model.rank, the function behind
+The choice is the first row of owt_tf.planner.cost_model.rank, the function behind
 `python -m owt_tf.plan --recommend`, so what a run picks is what `plan` recommends for the
 same hardware, model, K and batch. The hardware is the run's own: a GPU's preset found
 from its name (H200, H100, K20; another GPU is priced as DEFAULT_GPU_PRESET, and the line
@@ -19,8 +19,8 @@ import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from owt_tf.models.cost import NetworkCost
-from owt_tf.parallel.plan import ParallelPlan, Scheme, widths_problem
-from owt_tf.parallel.cost_model import (OWT_SCHEMES, Hardware, Prediction, preset, rank,
+from owt_tf.planner.plan import ParallelPlan, Scheme, widths_problem
+from owt_tf.planner.cost_model import (OWT_SCHEMES, Hardware, Prediction, preset, rank,
                                         runner_up)
 # Which preset prices a GPU, by a part of its name (tf.config.experimental.get_device_details).
 GPU_PRESETS = (("H200", "h200-nvlink"), ("H100", "h100-nvlink"), ("K20", "k20-pcie"))
@@ -135,7 +135,7 @@ def run_hardware(devices: Sequence[str]) -> Hardware:
     k = len(devices)
     if not any("GPU" in d.upper() for d in devices):
         from owt_tf.devices import outside_strategy_scope
-        from owt_tf.parallel.hardware import measure_cpu
+        from owt_tf.planner.hardware import measure_cpu
 
         # Measured with a strategy of its own, which cannot run inside the caller's scope
         # (parallelize is called in one).

@@ -1,7 +1,7 @@
 """What the cost model knows of a machine (`Hardware`), and the measurement of this machine's
 CPU as one (`measure_cpu`: matmul FLOP/s, copy bandwidth, and an all-reduce over logical
 CPU devices for the link). The named presets, calibrated by the cost model itself, are
-`owt_tf.parallel.cost_model.preset`. TensorFlow is imported only to measure.
+`owt_tf.planner.cost_model.preset`. TensorFlow is imported only to measure.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import time
 from typing import Optional
 
-from owt_tf.parallel.ledger import all_reduce_cost
+from owt_tf.planner.ledger import all_reduce_cost
 
 F32 = 4
 

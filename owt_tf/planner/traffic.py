@@ -3,7 +3,7 @@
 Written from the scheme definitions (docs/paper.md), not from the engine's code, so that a test
 can hold the ledger (owt_tf.parallel.collectives, filled while a real step is traced) to
 it exactly; the planner prices schemes with it. Both share only the ring cost of one
-collective (owt_tf.parallel.ledger); which collectives a step issues, on what sizes, and
+collective (owt_tf.planner.ledger); which collectives a step issues, on what sizes, and
 how each FC layer is split, are written out here independently: nothing of the engine
 (shards, schemes, collectives) is imported. Int32 labels; activations, their gradients and the
 gathered logits in the compute dtype (4 bytes in fp32, 2 in bf16/fp16); weight gradients and
@@ -16,17 +16,17 @@ from fractions import Fraction
 from typing import Dict, List
 
 from owt_tf.models.cost import NetworkShape
-from owt_tf.parallel import ledger as coll
-from owt_tf.parallel.plan import VALUE_BYTES, Scheme
+from owt_tf.planner import ledger
+from owt_tf.planner.plan import VALUE_BYTES, Scheme
 
 F32 = 4
 I32 = 4
 
 
-_gather = coll.all_gather_cost
-_reduce = coll.all_reduce_cost
-_bcast = coll.broadcast_cost
-_scatter = coll.engine_reduce_scatter_cost  # an all-reduce from K = 12 on (TF's all-to-all)
+_gather = ledger.all_gather_cost
+_reduce = ledger.all_reduce_cost
+_bcast = ledger.broadcast_cost
+_scatter = ledger.engine_reduce_scatter_cost  # an all-reduce from K = 12 on (TF's all-to-all)
 
 BY_OUTPUTS, BY_INPUTS = "by outputs", "by inputs"
 
@@ -66,16 +66,16 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     """
     if k == 1:
         return []
-    out = [Transfer(coll.CONV_GRAD, _reduce(net.trunk_params * F32, k), 1)]
+    out = [Transfer(ledger.CONV_GRAD, _reduce(net.trunk_params * F32, k), 1)]
     scheme = Scheme(scheme)
     if scheme is Scheme.DATA:
-        return out + [Transfer(coll.FC_GRAD, _reduce(net.fc_params * F32, k), 1)]
+        return out + [Transfer(ledger.FC_GRAD, _reduce(net.fc_params * F32, k), 1)]
     b, d = batch_size, net.features
     value = VALUE_BYTES[precision]
     # in fp32 the labels ride in the activations' collectives, as one more float column: no
     # launch of their own, the bytes of a gather of them; a 2-byte float cannot hold every
     # label exactly, so in bf16/fp16 they are gathered on their own
-    out.append(Transfer(coll.LABELS, _gather(b * I32, k), 0 if value == F32 else 1))
+    out.append(Transfer(ledger.LABELS, _gather(b * I32, k), 0 if value == F32 else 1))
     if scheme in (Scheme.OWT_A, Scheme.SINGLE):
         rounds, n = 1, k * b
         # forward: gather every worker's block; backward: reduce-scatter the gradient
@@ -93,10 +93,10 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
         act, act_calls = rounds * (_gather(s * d * value, k) + _scatter(b * d * value, k)), rounds + 1
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
-    out.append(Transfer(coll.ACTIVATIONS, act, act_calls))
+    out.append(Transfer(ledger.ACTIVATIONS, act, act_calls))
     # launches of each FC gather, each way: all rounds' rows at once with one FC update per
     # step; an all-reduce always once per round (collectives.joins_rounds)
-    passes = 1 if fc_batch != "worker" and coll.joins_rounds(k) else rounds
+    passes = 1 if fc_batch != "worker" and ledger.joins_rounds(k) else rounds
     widths = list(net.hidden) + [net.num_classes]
     splits = layer_splits(len(widths), fc_exchange)
     fc, fc_calls = Fraction(0), 0
@@ -107,7 +107,7 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
         elif splits[i + 1] == BY_OUTPUTS:  # the next layer needs this one's whole output
             fc += _gather(n * width // k * value, k) + _scatter(n * width * value, k)
             fc_calls += 2 * passes
-    out.append(Transfer(coll.FC_EXCHANGE, rounds * fc, fc_calls))
+    out.append(Transfer(ledger.FC_EXCHANGE, rounds * fc, fc_calls))
     classes = -(-net.num_classes // k) * k  # the class layer's columns, padded to K shards
     if loss == "sharded":
         # max: gathered without gradient; normalizer and target logit: one all-reduce of
@@ -116,7 +116,7 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     else:
         per_round = _gather(n * classes // k * value, k) + _scatter(n * classes * value, k)
         calls = 2 * passes
-    out.append(Transfer(coll.LOGITS, rounds * per_round, calls))
+    out.append(Transfer(ledger.LOGITS, rounds * per_round, calls))
     return out
 
 
@@ -124,7 +124,7 @@ def step_traffic(net: NetworkShape, scheme: str, k: int, batch_size: int,
                  fc_exchange: str = "gather", loss: str = "gathered",
                  precision: str = "fp32") -> Dict[str, Fraction]:
     """Bytes one replica sends per step, by purpose (keys of collectives.PURPOSES)."""
-    out = {p: Fraction(0) for p in coll.PURPOSES}
+    out = {p: Fraction(0) for p in ledger.PURPOSES}
     for t in step_transfers(net, scheme, k, batch_size, fc_exchange, loss, precision=precision):
         out[t.purpose] += t.nbytes
     return out

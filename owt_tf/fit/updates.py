@@ -10,7 +10,7 @@ from typing import List
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.keras_compile import GradientClip, KerasShardOptimizer, apply_summed
+from owt_tf.fit.compiling import GradientClip, KerasShardOptimizer, apply_summed
 
 
 class StepUpdates:

@@ -95,7 +95,7 @@ PARALLEL_SCHEMES = tuple(s for s in Scheme if s is not Scheme.SINGLE)
 
 SCHEMES = tuple(s.value for s in Scheme)
 # Not a scheme but a request for one: the planner picks scheme, FC exchange and loss once the
-# model and the hardware are known (owt_tf.parallel.auto).
+# model and the hardware are known (owt_tf.planner.auto).
 AUTO = "auto"
 FC_BATCH_MODES = ("global", "worker")
 FC_EXCHANGES = ("gather", "colrow")
@@ -133,6 +133,15 @@ def sample_rate_problem(rate) -> Optional[str]:
     return None
 
 
+def sampling_problem(sample_rate: float, loss_on_shards: bool) -> Optional[str]:
+    """Why a Partial FC rate cannot be used: r < 1 samples classes inside the class-sharded
+    cross-entropy, so the loss must be computed on the shards (None: fine). The one
+    statement of this rule; the CLI, the strategy and Keras' compile each ask it."""
+    if sample_rate < 1 and not loss_on_shards:
+        return "< 1 samples classes in the cross-entropy computed on the shards"
+    return None
+
+
 class PlanError(ValueError):
     """A plan that cannot work; `field` names the ParallelPlan field (or 'devices',
     'batch_size', 'model') at fault."""
@@ -148,21 +157,45 @@ def _choice(field: str, value, choices: Sequence[str]) -> None:
         raise PlanError(field, f"expected one of {', '.join(choices)}; got {value!r}")
 
 
+def plan_field(default, help: str, choices: Optional[Sequence[str]] = None):
+    """A field of ParallelPlan with the text of its command-line flag: the run config's
+    parallel section and the CLI take the plan's fields from these declarations."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelPlan:
-    """What is split, how it moves and in which precision. `fc_batch='worker'` updates the FC
-    layers after every round on one worker's rows (the paper's (128K, 128) recipe); 'global'
-    once per step."""
+    """What is split, how it moves and in which precision: the one place the plan's fields
+    are spelled. `fc_batch='worker'` updates the FC layers after every round on one worker's
+    rows (the paper's (128K, 128) recipe); 'global' once per step."""
 
-    scheme: Scheme = Scheme.OWT_B
-    fc_batch: str = "global"
-    fc_exchange: str = "gather"
-    loss: str = "gathered"
-    jit: bool = False
-    precision: str = "fp32"
-    # Partial FC (owt_tf.parallel.class_sampling): the share of each shard's classes a
+    scheme: Scheme = plan_field(
+        "owt-b", "single | data (pure data parallel) | owt-a | owt-b | owt-c (docs/paper.md) | "
+                 "auto: the planner (python -m owt_tf.plan --recommend) picks scheme, "
+                 "--fc-exchange and --loss for this machine, model, K and batch (--fc-batch is "
+                 "kept); one process", SCHEMES + (AUTO,))
+    fc_batch: str = plan_field(
+        "global", "global: FC updated once per step on B*K; worker: after every round on B "
+                  "(b, c)", FC_BATCH_MODES)
+    fc_exchange: str = plan_field(
+        "gather", "gather (paper: all-gather FC outputs) or colrow (Megatron column/row pairs)",
+        FC_EXCHANGES)
+    loss: str = plan_field(
+        "gathered", "gathered (all-gather logits) or sharded (class-sharded softmax "
+                    "cross-entropy)", LOSS_MODES)
+    jit: bool = plan_field(False, "XLA-compile the conv trunk's forward and backward on each "
+                                  "device")
+    precision: str = plan_field(
+        "fp32", "compute dtype of the trunk and the FC shards, and of the activations they "
+                "exchange: fp32, bf16 or fp16 (float32 weights, optimizer state and loss; fp16 "
+                "with a dynamic loss scale)", tuple(PRECISIONS))
+    # Partial FC (owt_tf.parallel.head.sampling): the share of each shard's classes a
     # training update's softmax keeps; 1: all (the exact loss).
-    sample_rate: float = 1.0
+    sample_rate: float = plan_field(
+        1.0, "Partial FC class sampling, with --loss sharded: each FC update's softmax keeps, "
+             "on every shard, the classes labelled in its rows plus random others, this share "
+             "of the shard's classes in all (0 < R <= 1; 1: every class, the exact loss); "
+             "evaluation uses every class")
 
     def __post_init__(self):
         _choice("scheme", str(getattr(self.scheme, "value", self.scheme)), SCHEMES)

@@ -20,8 +20,8 @@ from typing import Dict, List, Tuple
 import keras
 import numpy as np
 
-from owt_tf.parallel import head_state
-from owt_tf.parallel.keras_compile import inner_optimizer as _inner
+from owt_tf.parallel.head import state as head_state
+from owt_tf.fit.compiling import inner_optimizer as _inner
 
 
 SlotKey = Tuple[str, str]  # (layer name, weight name): the same in the plain and parallel models
