@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "setup_devices": "owt_tf.devices",
     "HybridStrategy": "owt_tf.parallel.strategy",
-    "parallelize": "owt_tf.fit.model",
+    "parallelize": "owt_tf.fit.parallelize",
     "ParallelModel": "owt_tf.fit.model",
     "ParallelPlan": "owt_tf.planner.plan",
     "Trainer": "owt_tf.training.loop",

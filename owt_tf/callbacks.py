@@ -85,9 +85,9 @@ class Verification(keras.callbacks.Callback):
                 f"{self.name}_{far_suffix(result.far)}": result.tar}
 
     def _model_embed_fn(self) -> EmbedFn:
-        own = getattr(self.model, "embed", None)
         if self.embed is not None:
             return self.embed
+        own = getattr(self.model, "embed", None)
         if callable(own):
             return own
         return embedding_model(self.model).predict_on_batch

@@ -38,10 +38,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     # TensorFlow loads only now, after the flags were found good.
     start_tensorflow(args.verbose)
-    from owt_tf.training.checkpoint import NoReadableCheckpoint
+    from owt_tf.training.files.checkpoint import NoReadableCheckpoint
     from owt_tf.training.evaluation import evaluate_probabilities, softmax_predictor
-    from owt_tf.training.runs import load_run
-    from owt_tf.training.serving import ExportError, load_export
+    from owt_tf.training.files.runs import load_run
+    from owt_tf.training.files.serving import ExportError, load_export
 
     try:
         if args.logdir:

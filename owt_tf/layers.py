@@ -64,7 +64,7 @@ class NormalizedDense(keras.layers.Layer):
             initializer=self.kernel_initializer, regularizer=self.kernel_regularizer)
         self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={-1: input_shape[-1]})
 
-    def call(self, inputs):
+    def call(self, inputs: Any) -> Any:
         return ops.matmul(l2_normalize(inputs, axis=-1), l2_normalize(self.kernel, axis=0))
 
     def compute_output_shape(self, input_shape):

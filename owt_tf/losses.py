@@ -74,20 +74,20 @@ class MarginSoftmax(keras.losses.Loss):
         super().__init__(name=name, reduction=reduction)
         self.scale, self.m1, self.m2, self.m3 = float(scale), float(m1), float(m2), float(m3)
 
-    def margin_cosine(self, cos_y):
+    def margin_cosine(self, cos_y: Any) -> Any:
         """cos(m1 * acos(c) + m2) - m3, the label's cosine after the margin (forward value
         only: `target_logit` keeps its gradient out of backprop)."""
         if self.m1 == 1.0 and self.m2 == 0.0:  # CosFace: c - m3 exactly, no acos round trip
             return cos_y - self.m3
         return ops.cos(self.m1 * ops.arccos(cos_y) + self.m2) - self.m3
 
-    def target_logit(self, cos_y):
+    def target_logit(self, cos_y: Any) -> Any:
         """s * (cos(m1*acos(c) + m2) - m3) elementwise for the label's cosine `cos_y`
         (clamped to [-1, 1]), with the gradient of `s * c` (see the module docstring)."""
         c = ops.clip(cos_y, -1.0, 1.0)
         return self.scale * (c + ops.stop_gradient(self.margin_cosine(c) - c))
 
-    def logits(self, cosines, labels):
+    def logits(self, cosines: Any, labels: Any) -> Any:
         """s * cos for all columns of `cosines` [N, C], with the margin at each row's label
         column. `labels` [N] index the columns of *this* tensor: a row whose label is
         outside [0, C) (-1, or a class on another shard) gets no margin."""

@@ -13,7 +13,7 @@ from typing import List, Optional
 from owt_tf.cli import fail, parse_config
 from owt_tf.config import ConfigError, RunConfig, new_run_dir
 from owt_tf.startup import start_tensorflow
-from owt_tf.training.rundir import RunDirUnusable, check_writable
+from owt_tf.training.files.rundir import RunDirUnusable, check_writable
 
 # Exit codes: 0 done, 2 bad flags or input (nothing written), 3 non-finite loss or gradient,
 # 4 a checkpoint could not be written, 5 another worker of the cluster is gone (restart all
@@ -44,11 +44,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     start_tensorflow(config.run.verbose)
     from owt_tf.data.datasets import DatasetError
     from owt_tf.parallel.head.state import HeadStateMismatch
-    from owt_tf.training.checkpoint import NoReadableCheckpoint
+    from owt_tf.training.files.checkpoint import NoReadableCheckpoint
     from owt_tf.training.loop import Trainer
-    from owt_tf.training.rundir import RunDirBusy
+    from owt_tf.training.files.rundir import RunDirBusy
 
-    from owt_tf.training.checkpoint import CheckpointWriteError
+    from owt_tf.training.files.checkpoint import CheckpointWriteError
     from owt_tf.training.guard import Interrupted, NonFiniteError, WorkerLost
 
     try:

@@ -10,6 +10,7 @@ import tensorflow as tf
 from owt_tf.models import build_model
 from owt_tf.models.spec import ModelSpec, glorot_limit
 from owt_tf.parallel import HybridStrategy
+from owt_tf.training.driver import StepDriver
 from owt_tf.training.optim import build_optimizer
 from reference import ReferenceModel, rel_err, update_err
 
@@ -95,16 +96,18 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
     strategy's Partial FC rate (the steps then get a seed; the reference samples nothing)."""
     spec = build_model(model, num_classes=classes, dropout=0.0)
     spec = he_scaled(spec, seed=7) if he else spec
-    hybrid = HybridStrategy(devices[:k], scheme, batch, fc_batch, fc_exchange, loss, jit=jit,
-                            precision=precision, sample_rate=sample_rate)
+    hybrid = HybridStrategy(devices[:k], scheme, batch_size=batch, fc_batch=fc_batch,
+                            fc_exchange=fc_exchange, loss=loss, jit=jit, precision=precision,
+                            sample_rate=sample_rate)
+    driver = StepDriver(hybrid)
     model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed=7)
     optim = build_optimizer(hybrid, model, CONV_LR, fc_lr, MOMENTUM, WD)
     ref = ReferenceModel(spec, seed=7)
-    rounds = [hybrid.engine.rounds.round_rows(r) for r in range(hybrid.engine.rounds.num_rounds)]
+    rounds = [driver.rounds.round_rows(r) for r in range(driver.rounds.num_rounds)]
 
     @tf.function
     def step(x, y, seed):
-        return hybrid.engine.train_step(model, optim, x, y, seed, with_grads=True)
+        return driver.train_step(model, optim, x, y, seed, with_grads=True)
 
     worst = {"loss": 0.0, "trunk_grads": 0.0, "fc_grads": 0.0, "weights": 0.0, "updates": 0.0}
     start = ref.weights()
@@ -119,7 +122,7 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
                  for i in range(len(expect["trunk_grads"]))]
         for got, want in zip(trunk, expect["trunk_grads"], strict=True):
             worst["trunk_grads"] = max(worst["trunk_grads"], rel_err(got, want))
-        fc = hybrid.engine.assemble_fc_grads(model, out)
+        fc = driver.assemble_fc_grads(model, out)
         assert len(fc) == len(expect["fc_grads"]), "number of FC updates per step differs"
         for got_update, want_update in zip(fc, expect["fc_grads"], strict=True):
             for got, want in zip(got_update, want_update, strict=True):
@@ -138,5 +141,5 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
                                                strict=True):
         flat += list(zip(got_pair, want_pair, start_pair, strict=True))
     worst["updates"] = max(update_err(g, w, s) for g, w, s in flat)
-    return {"worst": worst, "ledger": hybrid.engine.ledger, "trunk_params": model.trunk.count_params(),
+    return {"worst": worst, "ledger": driver.ledger, "trunk_params": model.trunk.count_params(),
             "features": spec.trunk_output_dim(model.trunk), "spec": spec, "rounds": rounds}

@@ -32,7 +32,8 @@ def main() -> int:
     from tensorflow.python.checkpoint import checkpoint_management
 
     from owt_tf import train
-    from owt_tf.training import checkpoint, loop
+    from owt_tf.training import loop
+    from owt_tf.training.files import checkpoint
 
     if moment == "step":
         real_step = loop.Trainer.train_step

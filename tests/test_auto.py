@@ -14,6 +14,7 @@ from owt_tf.models.cost import Uncountable, network_cost, trunk_cost
 from owt_tf.planner import auto
 from owt_tf.planner import cost_model
 from owt_tf.planner.plan import SCHEMES, PlanError
+from owt_tf.training.driver import StepDriver
 
 from keras_models import alexnet_like, random_data
 
@@ -99,15 +100,16 @@ def test_auto_resolves_to_a_valid_plan_on_logical_cpus(devices):
     assert hybrid.scheme == "auto"
     with pytest.raises(PlanError, match="auto"):
         hybrid.model_parallel  # noqa: B018 -- nothing is placed before the choice
-    choice = hybrid.choose_scheme(network_cost("alexnet_tiny", 10))
+    choice = hybrid.choose_scheme(lambda: network_cost("alexnet_tiny", 10))
     assert choice.scheme in SCHEMES and choice.scheme != "single" and hybrid.scheme == choice.scheme
     assert choice.hardware.startswith("this CPU (measured now")
     assert (hybrid.parallel_plan.fc_exchange, hybrid.parallel_plan.loss) == (choice.fc_exchange, choice.loss)
-    assert hybrid.engine.rounds.num_replicas == 2 and hybrid.engine.rounds.batch_size == 8
+    rounds = StepDriver(hybrid).rounds
+    assert rounds.num_replicas == 2 and rounds.batch_size == 8
     hw_ranked = choice.choice
     assert hw_ranked.devices == 2 and hw_ranked.batch_size == 8
     with pytest.raises(PlanError, match="once"):
-        hybrid.choose_scheme(network_cost("alexnet_tiny", 10))
+        hybrid.choose_scheme(lambda: network_cost("alexnet_tiny", 10))
 
 
 def test_parallelize_chooses_for_the_users_model_and_fits(devices, capsys):

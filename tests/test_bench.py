@@ -48,6 +48,7 @@ def test_big_head_runs_both_trainers_in_fresh_processes(tmp_path):
     own process, and the ratios are the quotients of their figures. Same model, weights and
     batches: the losses fit reports agree, so the owt process really trained."""
     from owt_tf.parallel import collectives as coll
+    from owt_tf.planner import ledger
 
     out = tmp_path / "big_head.json"
     proc = subprocess.run(
@@ -67,9 +68,9 @@ def test_big_head_runs_both_trainers_in_fresh_processes(tmp_path):
     assert owt["how"].startswith("owt_tf.parallelize owt-b")
     assert (owt["loss_mode"], owt["head_shards"]) == ("sharded", 2)
     # gathering the logits: each device's [16 rows, 32 classes] shard to the other
-    gathered_logits = coll.all_gather_cost(16 * 32 * 4, 2)
+    gathered_logits = ledger.all_gather_cost(16 * 32 * 4, 2)
     assert 0 < owt["bytes_by_purpose"]["logits"] < gathered_logits / 4
-    assert mirrored["bytes_by_purpose"]["fc_grad"] == coll.all_reduce_cost((256 * 64 + 64) * 4, 2)
+    assert mirrored["bytes_by_purpose"]["fc_grad"] == ledger.all_reduce_cost((256 * 64 + 64) * 4, 2)
     np.testing.assert_allclose(owt["losses"], mirrored["losses"], rtol=1e-4)
     ratios = data["ratios"]
     assert ratios["peak_rss"] == owt["peak_rss_bytes"] / mirrored["peak_rss_bytes"]

@@ -17,6 +17,7 @@ os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 import tensorflow as tf
 from owt_tf.devices import make_strategy, setup_devices
 from owt_tf.parallel import collectives as coll
+from owt_tf.planner import ledger
 
 strategy = make_strategy(setup_devices(2))
 
@@ -32,7 +33,7 @@ iterator = iter(strategy.experimental_distribute_dataset(rows.batch(8, drop_rema
 @tf.function
 def step(iterator):
     x = next(iterator)
-    per_replica = strategy.run(lambda v: tf.add_n(coll.broadcast_rounds(v, coll.ACTIVATIONS)), (x,))
+    per_replica = strategy.run(lambda v: tf.add_n(coll.broadcast_rounds(v, ledger.ACTIVATIONS)), (x,))
     return strategy.experimental_local_results(per_replica)
 
 print("sum", float(tf.reduce_sum(step(iterator)[0])))

@@ -71,7 +71,7 @@ def test_resumed_digits_stream_starts_at_the_right_batch():
 def test_distribute_global_batch_gives_replica_k_its_rows(devices):
     from owt_tf.parallel import HybridStrategy
 
-    hybrid = HybridStrategy(devices[:4], "owt-a", 3)
+    hybrid = HybridStrategy(devices[:4], "owt-a", batch_size=3)
     parts = hybrid.strategy.experimental_local_results(
         hybrid.placement.distribute_global_batch(np.arange(12)))
     for k, part in enumerate(parts):

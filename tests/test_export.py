@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from owt_tf.config import RunConfig
-from owt_tf.training.serving import ExportError, export_saved_model
+from owt_tf.training.files.serving import ExportError, export_saved_model
 from owt_tf.training.loop import Trainer
 
 # One xdist worker runs this module: its module-scoped runs are made once, not per worker.

@@ -12,6 +12,7 @@ import tensorflow as tf
 from owt_tf.config import RunConfig
 from owt_tf.models import build_model
 from owt_tf.parallel import HybridStrategy
+from owt_tf.training.driver import StepDriver
 from owt_tf.training.loop import Trainer
 from owt_tf.training.optim import build_optimizer
 
@@ -19,13 +20,14 @@ from owt_tf.training.optim import build_optimizer
 def _xla_functions(jit: bool, devices) -> int:
     """How many functions of the traced train step carry _XlaMustCompile=True."""
     spec = build_model("alexnet_tiny", num_classes=10, dropout=0.0)
-    hybrid = HybridStrategy(devices[:2], "owt-b", 4, jit=jit)
+    hybrid = HybridStrategy(devices[:2], "owt-b", batch_size=4, jit=jit)
+    driver = StepDriver(hybrid)
     model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed=0)
     optim = build_optimizer(hybrid, model, 0.01, 0.01, 0.9, 5e-4)
 
     @tf.function
     def step(x, y):
-        return hybrid.engine.train_step(model, optim, x, y, None)
+        return driver.train_step(model, optim, x, y, None)
 
     x = np.zeros((8, 32, 32, 3), np.float32)
     y = np.zeros((8,), np.int32)

@@ -193,7 +193,7 @@ def test_export_of_a_folder_run_normalises_with_the_runs_statistics(tmp_path):
 
     from owt_tf.config import RunConfig
     from owt_tf.data.stats import STATS_FILE
-    from owt_tf.training.serving import export_saved_model
+    from owt_tf.training.files.serving import export_saved_model
     from owt_tf.training.loop import Trainer
 
     images = _write_sized_tree(tmp_path / "d", 32)

@@ -9,7 +9,9 @@ import tensorflow as tf
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel import HybridStrategy
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.head.shards import ShardedHead
+from owt_tf.parallel.head.forward import forward
+from owt_tf.parallel.head.layout import ShardedHead
+from owt_tf.parallel.head.loss import loss_terms
 
 
 def _weights(rng, widths):
@@ -26,10 +28,10 @@ def test_fc_dropout_masks_in_training_and_averages_to_the_evaluation_output(devi
     spec = HeadSpec(hidden=(64,), num_classes=5, dropout=0.5)
     head = ShardedHead(spec, _weights(rng, (16, 64, 5)), [devices[0]])
     x = tf.constant(rng.normal(size=(4, 16)), tf.float32)
-    evaluation = head.forward(x, 0, False, None).numpy()
+    evaluation = forward(head, x, 0, False, None).numpy()
 
     def trained(seed):
-        return head.forward(x, 0, True, tf.constant([seed, 7], tf.int32)).numpy()
+        return forward(head, x, 0, True, tf.constant([seed, 7], tf.int32)).numpy()
 
     first = trained(1)
     assert np.abs(first - evaluation).max() > 1e-3
@@ -54,7 +56,7 @@ def test_class_sharded_cross_entropy_is_exact_for_large_logits(devices):
     def run():
         def replica():
             k = coll.replica_id()
-            ce, _, _ = head.loss_terms(tf.constant(logits[:, 3 * k:3 * (k + 1)]),
+            ce, _, _ = loss_terms(head, tf.constant(logits[:, 3 * k:3 * (k + 1)]),
                                        tf.constant(labels), k)
             return ce
 

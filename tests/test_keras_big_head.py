@@ -13,6 +13,7 @@ import pytest
 import owt_tf
 from keras_models import conv_dense_net, copy_of, update_rel_diff
 from owt_tf.parallel import collectives as coll
+from owt_tf.planner import ledger
 from owt_tf.fit import model as keras_model
 from owt_tf.fit.compiling import CompileError
 
@@ -68,7 +69,7 @@ CASES = {  # name: (softmax head, compile settings, one-hot labels, scheme)
 
 def _ledger_of(run):
     """The bytes by purpose of the collectives traced while `run()` traces its step."""
-    with coll.recording(coll.TrafficLedger()) as ledger:
+    with ledger.recording(ledger.TrafficLedger()) as ledger:
         result = run()
     return ledger, result
 
@@ -102,9 +103,9 @@ def test_sharded_loss_and_metrics_equal_plain_keras(devices, case):
                                                           verbose=0, return_dict=True))
     want_eval = reference.evaluate(x[:70], y[:70], batch_size=BATCH, verbose=0, return_dict=True)
     assert got_eval == pytest.approx(want_eval, rel=1e-5)
-    whole_logits = coll.all_gather_cost(BATCH * (CLASSES + 1) // K * 4, K)  # one round's gather
+    whole_logits = ledger.all_gather_cost(BATCH * (CLASSES + 1) // K * 4, K)  # one round's gather
     for ledger in (train, test):
-        assert 0 < ledger.by_purpose[coll.LOGITS] < whole_logits / 10, ledger.summary()
+        assert 0 < ledger.by_purpose[ledger.LOGITS] < whole_logits / 10, ledger.summary()
 
 
 @pytest.mark.slow
@@ -139,7 +140,7 @@ def test_other_metrics_fall_back_to_the_gathered_logits(devices):
                                                   verbose=0).history)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
-    assert ledger.by_purpose[coll.LOGITS] >= coll.all_gather_cost(BATCH * 2004 // K * 4, K)
+    assert ledger.by_purpose[ledger.LOGITS] >= ledger.all_gather_cost(BATCH * 2004 // K * 4, K)
 
 
 @pytest.mark.slow
@@ -158,7 +159,7 @@ def test_predict_top_k_equals_the_top_classes_of_plain_predict(devices, softmax)
     assert scores.shape == ids.shape == (70, 5)
     np.testing.assert_array_equal(ids, top)
     np.testing.assert_allclose(scores, np.take_along_axis(want, top, 1), rtol=1e-5, atol=1e-9)
-    assert ledger.by_purpose[coll.LOGITS] < coll.all_gather_cost(BATCH * 2004 // K * 4, K) / 10
+    assert ledger.by_purpose[ledger.LOGITS] < ledger.all_gather_cost(BATCH * 2004 // K * 4, K) / 10
     np.testing.assert_allclose(parallel.predict(x, batch_size=BATCH, verbose=0), want,
                                rtol=1e-5, atol=1e-7)  # and whole outputs without top_k
 

@@ -11,7 +11,7 @@ import pytest
 import owt_tf
 from keras_models import alexnet_like, copy_of, dataset, random_data
 from owt_tf.planner import ledger
-from owt_tf.fit.model import CompileError
+from owt_tf.fit.compiling import CompileError
 from owt_tf.parallel.precision import keras_policy
 
 BATCH = 32

@@ -15,7 +15,7 @@ import tensorflow as tf
 import owt_tf
 from keras_models import alexnet_like, conv_dense_net, copy_of, random_data, update_rel_diff
 from owt_tf.fit import data as keras_data
-from owt_tf.fit.model import TrainingCallError
+from owt_tf.fit.steps import TrainingCallError
 
 LR, BATCH = 0.05, 32
 

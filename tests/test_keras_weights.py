@@ -13,7 +13,7 @@ import tensorflow as tf
 import owt_tf
 from keras_models import (alexnet_like, copy_of, dataset, random_data, update_rel_diff,
                           worker_reference)
-from owt_tf.fit.model import CompileError
+from owt_tf.fit.compiling import CompileError
 
 LR, BATCH, ROWS = 0.05, 32, 96
 

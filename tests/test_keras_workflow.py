@@ -16,7 +16,7 @@ import owt_tf
 from keras_models import (alexnet_like, batchnorm_trunk, copy_of, dataset, digits,
                           max_rel_diff, random_data)
 from owt_tf.models.split import UnsupportedModel
-from owt_tf.fit.model import CompileError
+from owt_tf.fit.compiling import CompileError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LR, BATCH = 0.05, 32

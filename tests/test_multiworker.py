@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from owt_tf import launch
 from owt_tf.models import build_model
 from owt_tf.planner import traffic
-from owt_tf.training import summaries
+from owt_tf.training.files import summaries
 from test_reliability import _files_of, _flip_a_byte
 
 # One xdist worker runs this module: its module-scoped runs are made once, not per worker.

@@ -10,6 +10,7 @@ import tensorflow as tf
 from engine_harness import random_batches
 from owt_tf.models import alexnet_tiny
 from owt_tf.parallel import HybridStrategy
+from owt_tf.training.driver import StepDriver
 from owt_tf.training.optim import build_optimizer
 
 
@@ -18,7 +19,7 @@ def _graph_ops(hybrid, model, optim, batch):
 
     @tf.function
     def step(x, y):
-        return hybrid.engine.train_step(model, optim, x, y, None)
+        return StepDriver(hybrid).train_step(model, optim, x, y, None)
 
     concrete = step.get_concrete_function(hybrid.placement.distribute_global_batch(x),
                                           hybrid.placement.distribute_global_batch(y))
@@ -38,7 +39,7 @@ def _ancestors(op):
 
 @pytest.mark.parametrize("scheme,fc_batch", [("owt-b", "global"), ("owt-c", "worker")])
 def test_exchanges_do_not_wait_on_fc_compute(devices, scheme, fc_batch):
-    hybrid = HybridStrategy(devices[:4], scheme, 8, fc_batch)
+    hybrid = HybridStrategy(devices[:4], scheme, batch_size=8, fc_batch=fc_batch)
     model = hybrid.placement.build_model(hybrid.parallel_plan, alexnet_tiny(num_classes=10, dropout=0.0), seed=0)
     optim = build_optimizer(hybrid, model, 0.01, 0.01, 0.9, 5e-4)
     ops = _graph_ops(hybrid, model, optim, 8)

@@ -20,6 +20,8 @@ from keras_models import copy_of, update_rel_diff
 from owt_tf.config import ConfigError, RunConfig
 from owt_tf.models import build_model
 from owt_tf.parallel.head import sampling as class_sampling
+from owt_tf.parallel.head.loss import sample_columns
+from owt_tf.training.driver import StepDriver
 from owt_tf.fit.compiling import CompileError
 from owt_tf.planner.plan import ParallelPlan, PlanError
 from owt_tf.training.optim import build_optimizer
@@ -68,10 +70,15 @@ def _update_seed(parallel, step: int, first_round: int = 0) -> tf.Tensor:
     return tf.random.experimental.stateless_fold_in(step_seed, first_round)
 
 
+def _sampled_mask(head, labels, k: int, update_seed) -> tf.Tensor:
+    """bool [width]: the columns of shard k an update with these labels keeps."""
+    return class_sampling.column_mask(sample_columns(head, labels, k, update_seed))
+
+
 def _class_mask(parallel, labels, step: int) -> np.ndarray:
     """bool [classes]: the classes step `step`'s softmax keeps, every shard's mask joined."""
     head = parallel.head
-    masks = [head.sampled_mask([tf.constant(labels)], k, _update_seed(parallel, step))
+    masks = [_sampled_mask(head, [tf.constant(labels)], k, _update_seed(parallel, step))
              for k in range(head.num_shards)]
     return np.concatenate([m.numpy() for m in masks])[:head.spec.num_classes]
 
@@ -112,7 +119,7 @@ def test_masks_differ_by_step_and_shard_and_repeat_for_a_seed(devices):
     head = parallel.head
 
     def mask(shard, step):
-        return head.sampled_mask(labels, shard, _update_seed(parallel, step)).numpy()
+        return _sampled_mask(head, labels, shard, _update_seed(parallel, step)).numpy()
 
     np.testing.assert_array_equal(mask(1, 4), mask(1, 4))
     assert not np.array_equal(mask(1, 4), mask(1, 5))
@@ -235,14 +242,15 @@ def test_the_class_layer_multiplies_only_the_sampled_columns(devices):
     classes, rows = 4004, 4 * K  # 1001 columns a shard: a width no other tensor has
     width, size = classes // K, math.ceil(0.1 * classes / K) + rows
     spec = build_model("alexnet_tiny", num_classes=classes, dropout=0.0)
-    hybrid = owt_tf.HybridStrategy(devices[:K], "owt-b", 4, "global", "gather", "sharded",
+    hybrid = owt_tf.HybridStrategy(devices[:K], "owt-b", batch_size=4, loss="sharded",
                                    sample_rate=0.1)
+    driver = StepDriver(hybrid)
     model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed=0)
     optim = build_optimizer(hybrid, model, 0.01, 0.01, 0.9, 5e-4)
 
     @tf.function
     def step(x, y):
-        return hybrid.engine.train_step(model, optim, x, y, tf.constant([1, 2], tf.int32))
+        return driver.train_step(model, optim, x, y, tf.constant([1, 2], tf.int32))
 
     x = np.zeros((rows, 32, 32, 3), np.float32)
     y = np.arange(rows, dtype=np.int32) * 250  # labels on every shard

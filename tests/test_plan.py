@@ -13,6 +13,7 @@ import pytest
 from owt_tf.models.cost import network_cost
 from owt_tf.planner import cost_model
 from owt_tf.parallel import collectives as coll
+from owt_tf.planner import ledger
 
 PAPER_SPEEDUPS = {(2, "owt-a"): 1.95, (2, "owt-c"): 1.93, (4, "owt-a"): 3.74, (4, "owt-c"): 3.66,
                   (8, "owt-a"): 6.25, (8, "owt-c"): 6.16}
@@ -87,7 +88,7 @@ def test_alternatives_priced_from_the_same_primitives(alexnet):
     assert grouped2.bytes_per_step == mp2.bytes_per_step  # one group of two is model parallel
     # model parallel over 2 devices moves every layer boundary once each way for 256 rows
     boundaries = [27 * 27 * 64, 13 * 13 * 192, 13 * 13 * 384, 13 * 13 * 256, 9216, 4096, 4096, 1000]
-    want = sum(coll.all_gather_cost(256 * f * 4 // 2, 2) + coll.reduce_scatter_cost(256 * f * 4, 2)
+    want = sum(ledger.all_gather_cost(256 * f * 4 // 2, 2) + ledger.reduce_scatter_cost(256 * f * 4, 2)
                for f in boundaries)
     assert mp2.bytes_per_step == float(want)
     # the paper's point: with K=8 the hybrid beats every alternative that keeps synchronous SGD

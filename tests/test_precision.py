@@ -95,11 +95,13 @@ def test_fp16_with_a_loss_scale_is_as_close_as_keras_own_fp16(devices):
     import tensorflow as tf
 
     from owt_tf.parallel import HybridStrategy
+    from owt_tf.training.driver import StepDriver
     from owt_tf.training.optim import build_optimizer
 
     keras_fp16 = _keras_low_precision_error("float16")
     spec = build_model("alexnet_tiny", num_classes=10, dropout=0.0)
-    hybrid = HybridStrategy(devices[:K], "owt-c", BATCH, precision="fp16")
+    hybrid = HybridStrategy(devices[:K], "owt-c", batch_size=BATCH, precision="fp16")
+    driver = StepDriver(hybrid)
     model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed=7)
     optim = build_optimizer(hybrid, model, CONV_LR, FC_LR, MOMENTUM, WD)
     ref = ReferenceModel(spec, seed=7)
@@ -107,7 +109,7 @@ def test_fp16_with_a_loss_scale_is_as_close_as_keras_own_fp16(devices):
 
     @tf.function
     def step(x, y):
-        return hybrid.engine.train_step(model, optim, x, y, None, loss_scale=scale)
+        return driver.train_step(model, optim, x, y, None, loss_scale=scale)
 
     for x, y in random_batches(STEPS, K * BATCH, 10):
         out = step(hybrid.placement.distribute_global_batch(x), hybrid.placement.distribute_global_batch(y))
@@ -123,7 +125,7 @@ def test_fp16_with_a_loss_scale_is_as_close_as_keras_own_fp16(devices):
     shape = traffic.NetworkShape(model.trunk.count_params(), spec.trunk_output_dim(model.trunk),
                                  spec.head.hidden, spec.head.num_classes)
     expected = traffic.step_traffic(shape, "owt-c", K, BATCH, precision="fp16")
-    assert {p: b for p, b in hybrid.engine.ledger.by_purpose.items() if b} == {
+    assert {p: b for p, b in driver.ledger.by_purpose.items() if b} == {
         p: b for p, b in expected.items() if b}
 
 

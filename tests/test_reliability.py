@@ -281,7 +281,7 @@ def test_failed_checkpoint_write_is_reported_and_the_previous_one_kept(tmp_path)
 
 HOLD_LOCK = """
 import sys, time
-from owt_tf.training.rundir import RunDirLock
+from owt_tf.training.files.rundir import RunDirLock
 RunDirLock.take(sys.argv[1])
 print("locked", flush=True)
 time.sleep(600)
@@ -401,7 +401,7 @@ def _files_of(path):
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_every_kind_of_damage_is_caught_on_reading_back(uninterrupted_run, tmp_path, damage):
-    from owt_tf.training.checkpoint import CheckpointDamaged, verify_checkpoint
+    from owt_tf.training.files.checkpoint import CheckpointDamaged, verify_checkpoint
 
     directory = str(tmp_path / "checkpoints")
     shutil.copytree(os.path.join(uninterrupted_run, "checkpoints"), directory)
@@ -488,7 +488,7 @@ def test_a_save_that_wrote_garbage_never_costs_the_last_good_checkpoint(devices,
     """A write that 'succeeds' but stores garbage: read back before the index names it and
     before older checkpoints are rotated out (3 kept: ckpt-1 would go)."""
     from owt_tf.config import RunConfig
-    from owt_tf.training.checkpoint import CheckpointWriteError
+    from owt_tf.training.files.checkpoint import CheckpointWriteError
     from owt_tf.training.loop import Trainer
 
     config = RunConfig.from_flags(devices=2, batch_size=8, steps=4, eval_every=0,

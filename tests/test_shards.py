@@ -3,7 +3,7 @@ forward, the kernel's gradient as one product over all rounds' rows backward."""
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.parallel.head.shards import COL, ROW, ShardedDense
+from owt_tf.parallel.head.layout import COL, ROW, ShardedDense
 
 
 def _layer(split, rng):

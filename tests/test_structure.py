@@ -85,7 +85,7 @@ def test_the_check_sees_every_kind_of_import(tmp_path):
         source.write_text(code + "\n")
         modules = {m for _, m in imported_modules(source, tmp_path)}
         assert module in modules and _forbidden(module), code
-    source.write_text("from owt_tf.training.serving import export_saved_model\n"
+    source.write_text("from owt_tf.training.files.serving import export_saved_model\n"
                       "from owt_tf.parallel import plan\n")
     assert not any(_forbidden(m) for _, m in imported_modules(source, tmp_path))
 

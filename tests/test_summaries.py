@@ -3,7 +3,7 @@ import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 
 from owt_tf.config import RunConfig
-from owt_tf.training import summaries
+from owt_tf.training.files import summaries
 from owt_tf.training.loop import Trainer
 
 

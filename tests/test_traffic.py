@@ -5,6 +5,7 @@ import pytest
 
 from owt_tf.models.cost import NetworkShape
 from owt_tf.parallel import collectives as coll
+from owt_tf.planner import ledger
 from owt_tf.planner import traffic
 
 ALEXNET = traffic.NetworkShape(trunk_params=2_469_696, features=9216, hidden=(4096, 4096),
@@ -15,7 +16,7 @@ ALEXNET = traffic.NetworkShape(trunk_params=2_469_696, features=9216, hidden=(40
 def test_data_parallel_all_reduces_every_parameter(k):
     t = traffic.step_traffic(ALEXNET, "data", k, 128)
     params = 2_469_696 + 58_631_144
-    assert traffic.total(t) == coll.all_reduce_cost(params * 4, k)
+    assert traffic.total(t) == ledger.all_reduce_cost(params * 4, k)
     # docs/paper.md: each worker sends 2 (K-1)/K * 244 MB
     assert float(traffic.total(t)) / 1e6 == pytest.approx(2 * (k - 1) / k * 244.4, rel=1e-3)
 
@@ -28,7 +29,7 @@ def test_data_parallel_at_k8_moves_427_7_mb():
 def test_hybrid_moves_a_fraction_of_data_parallel_bytes(scheme):
     data = traffic.total(traffic.step_traffic(ALEXNET, "data", 8, 128))
     hybrid = traffic.total(traffic.step_traffic(ALEXNET, scheme, 8, 128))
-    conv_only = coll.all_reduce_cost(2_469_696 * 4, 8)
+    conv_only = ledger.all_reduce_cost(2_469_696 * 4, 8)
     assert conv_only < hybrid < data / 1.5
 
 
@@ -44,8 +45,8 @@ def test_colrow_moves_what_gather_moves_and_sharded_loss_moves_less():
     base = traffic.step_traffic(ALEXNET, "owt-a", 4, 128)
     colrow = traffic.step_traffic(ALEXNET, "owt-a", 4, 128, fc_exchange="colrow")
     sharded = traffic.step_traffic(ALEXNET, "owt-a", 4, 128, loss="sharded")
-    assert colrow[coll.FC_EXCHANGE] == base[coll.FC_EXCHANGE]
-    assert sharded[coll.LOGITS] < base[coll.LOGITS] / 100
+    assert colrow[ledger.FC_EXCHANGE] == base[ledger.FC_EXCHANGE]
+    assert sharded[ledger.LOGITS] < base[ledger.LOGITS] / 100
 
 
 @pytest.mark.parametrize("k,ratio", [(8, 0.349), (4, 0.195)])
@@ -79,8 +80,8 @@ def test_colrow_is_a_column_row_pair_with_one_all_reduce_each_way():
     joined by one all-reduce forward and one backward, and no gather between FC layers (so
     colrow degraded to gather fails here); gather: one gather and its reduce-scatter per
     hidden layer. The engine's own layout equals this statement."""
-    from owt_tf.parallel.head.shards import COL, ROW
-    from owt_tf.parallel.head.shards import layer_splits as engine_splits
+    from owt_tf.parallel.head.layout import COL, ROW
+    from owt_tf.parallel.head.layout import layer_splits as engine_splits
 
     assert traffic.layer_splits(3, "colrow") == [traffic.BY_OUTPUTS, traffic.BY_INPUTS,
                                                  traffic.BY_OUTPUTS]

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from owt_tf.models import build_model
 from owt_tf.parallel import HybridStrategy
+from owt_tf.training.driver import StepDriver
 from owt_tf.training.optim import build_optimizer
 
 CASES = [("data", 2, "gather", "gathered"), ("owt-a", 2, "gather", "gathered"),
@@ -35,13 +36,15 @@ def _ring_bytes(op, k: int) -> Fraction:
 @pytest.mark.parametrize("scheme,k,fc_exchange,loss", CASES)
 def test_ledger_equals_the_collectives_of_the_traced_step(devices, scheme, k, fc_exchange, loss):
     spec = build_model("alexnet_tiny", num_classes=10, dropout=0.0)
-    hybrid = HybridStrategy(devices[:k], scheme, 4, "global", fc_exchange, loss)
+    hybrid = HybridStrategy(devices[:k], scheme, batch_size=4, fc_batch="global",
+                            fc_exchange=fc_exchange, loss=loss)
+    driver = StepDriver(hybrid)
     model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed=0)
     optim = build_optimizer(hybrid, model, 0.01, 0.01, 0.9, 5e-4)
 
     @tf.function
     def step(x, y):
-        return hybrid.engine.train_step(model, optim, x, y, None)
+        return driver.train_step(model, optim, x, y, None)
 
     x = np.zeros((4 * k, 32, 32, 3), np.float32)
     y = np.zeros((4 * k,), np.int32)
@@ -59,6 +62,6 @@ def test_ledger_equals_the_collectives_of_the_traced_step(devices, scheme, k, fc
     expected = {"data": "CollectiveReduceV2", "owt-a": "CollectiveGatherV2",
                 "owt-b": "CollectiveBcastSendV2", "owt-c": "CollectiveGatherV2"}[scheme]
     assert expected in types, types  # the scheme's own exchange is there to be counted
-    ledger = hybrid.engine.ledger
+    ledger = driver.ledger
     assert len(ops) == ledger.calls, sorted(op.type for op in ops)
     assert sum(_ring_bytes(op, k) for op in ops) == ledger.total

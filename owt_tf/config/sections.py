@@ -42,9 +42,11 @@ class DataConfig:
 
     dataset: str = flag(
         "digits",
-        "digits (embedded default), imagenet2012 (with --manual-dir), folder:PATH "
-        "(PATH/train/<label>/*, PATH/validation/<label>/*), tfds:NAME (a TFDS dataset "
-        "prepared in --data-dir) or synthetic")
+        "digits (embedded default), faces (embedded synthetic identities with held-out "
+        "verification pairs), imagenet2012 (with --manual-dir), folder:PATH "
+        "(PATH/train/<label>/*, PATH/validation/<label>/*), insightface:PATH (train.rec + "
+        "train.idx, *.bin pairs), tfds:NAME (a TFDS dataset prepared in --data-dir) or "
+        "synthetic")
     data_dir: Optional[str] = flag(None, "where prepared TFDS datasets live")
     manual_dir: Optional[str] = flag(
         None, "imagenet2012: the folder holding ILSVRC2012_img_train.tar and _val.tar")
@@ -69,10 +71,15 @@ def _plan_flags() -> list:
             for f in dataclasses.fields(ParallelPlan)]
 
 
+def _plan_fields(self) -> Dict[str, Any]:
+    """The plan's fields as given (scheme 'auto' kept): HybridStrategy's keywords."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelPlan)}
+
+
 def _plan(self) -> ParallelPlan:
     """These choices as a ParallelPlan (its own rules checked, as ConfigErrors); under
     --scheme auto, until the Trainer chooses, owt-b's (it checks the flags auto keeps)."""
-    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelPlan)}
+    fields = _plan_fields(self)
     if fields["scheme"] == AUTO:
         fields["scheme"] = "owt-b"
     with as_flag_error():
@@ -90,7 +97,7 @@ ParallelConfig = dataclasses.make_dataclass("ParallelConfig", [
         choices=DEVICE_TYPES)),
     ("batch_size", int, flag(
         32, "examples per replica (device) per step (B); the global batch is B*K")),
-] + _plan_flags(), frozen=True, namespace={"plan": _plan})
+] + _plan_flags(), frozen=True, namespace={"plan": _plan, "plan_fields": _plan_fields})
 ParallelConfig.__module__ = __name__
 ParallelConfig.__doc__ = "parallel plan: devices, the batch and the plan's fields (ParallelPlan)"
 

@@ -15,6 +15,10 @@ from owt_tf.config.sections import FLAG_FIELDS, flag_metadata
 from owt_tf.planner.plan import AUTO, Scheme, check_auto_processes, sampling_problem, widths_problem
 
 
+# Datasets held in memory and never augmented.
+IN_MEMORY = ("digits", "synthetic", "faces")
+
+
 def validate_config(config) -> None:
     """Raises ConfigError for the first invalid field of the RunConfig `config`."""
     plan = config.parallel.plan()
@@ -86,7 +90,7 @@ def check_model_and_data(config) -> None:
                               "those of --dataset synthetic")
         if config.data.classes < 2:
             raise ConfigError("--classes", f"must be >= 2, got {config.data.classes}")
-    if dataset in ("digits", "synthetic") and augment not in ("auto", "none"):
+    if dataset in IN_MEMORY and augment not in ("auto", "none"):
         raise ConfigError("--augment", f"{dataset} is held in memory and never "
                           "augmented; use a folder:, tfds: or imagenet2012 dataset")
 
@@ -96,11 +100,12 @@ def check_dataset(dataset: str, names) -> None:
     if dataset.startswith("tfds:"):
         if not dataset[len("tfds:"):]:
             raise ConfigError("--dataset", "tfds:NAME needs a dataset name")
-    elif dataset.startswith("folder:"):
-        if not os.path.isdir(dataset[len("folder:"):]):
+    elif dataset.startswith(("folder:", "insightface:")):
+        if not os.path.isdir(dataset.partition(":")[2]):
             raise ConfigError("--dataset", f"{dataset}: no such directory")
     else:
-        check_choice("--dataset", dataset, tuple(names) + ("folder:PATH", "tfds:NAME"))
+        check_choice("--dataset", dataset,
+                     tuple(names) + ("folder:PATH", "insightface:PATH", "tfds:NAME"))
 
 
 def check_model_fits(config) -> None:

@@ -1,6 +1,6 @@
 """Datasets and the input pipeline. The names are importable without TensorFlow."""
 
-DATASET_NAMES = ("digits", "imagenet2012", "synthetic")
+DATASET_NAMES = ("digits", "faces", "imagenet2012", "synthetic")
 
 
 class DatasetError(ValueError):

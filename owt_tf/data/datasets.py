@@ -5,6 +5,10 @@
     folder:PATH  images in PATH/train/<label>/* and PATH/validation/<label>/* (or test/),
                  the tfds.ImageFolder layout, streamed and decoded by tf.data with a training
                  augmentation (--augment) and a center crop for eval
+    insightface:DIR  InsightFace's face-recognition sets as shipped (train.rec + train.idx,
+                 verification *.bin), streamed like a folder; owt_tf.data.insightface
+    faces        synthetic face identities made in memory, with verification pairs of
+                 held-out identities, for a first face-recognition run; owt_tf.data.faces
     synthetic    random images and labels of the model's size, for benchmarks only
 
 A training batch is the *global* batch of B*K examples; MirroredStrategy's
@@ -20,7 +24,6 @@ backends: owt_tf.data.backends.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Tuple
 
 import numpy as np
@@ -28,68 +31,11 @@ import tensorflow as tf
 
 from owt_tf.data import DATASET_NAMES, DatasetError
 from owt_tf.data.backends import FolderDataset, TfdsDataset
+from owt_tf.data.insightface import InsightFaceDataset
 from owt_tf.data.stream import StreamDataset  # noqa: F401 (the loop tells streamed data apart)
 from owt_tf.config import AUGMENTATIONS
-from owt_tf.data.preprocess import normalize
+from owt_tf.data.arrays import ArrayDataset
 _SPLIT_SEED = 20140421  # fixed: the validation split never changes with --seed
-
-
-@dataclasses.dataclass
-class ArrayDataset:
-    """Images held in memory as uint8 [N, H, W, C] with int32 labels."""
-
-    name: str
-    num_classes: int
-    train_images: np.ndarray
-    train_labels: np.ndarray
-    val_images: np.ndarray
-    val_labels: np.ndarray
-    mean: Tuple[float, ...]
-    std: Tuple[float, ...]
-
-    # Array datasets train on the images as they are: no crops, no mirror images.
-    trains_with_flips = False
-
-    def label_names(self) -> Tuple[str, ...]:
-        """Class names by label (digits: '0'...'9')."""
-        return tuple(str(i) for i in range(self.num_classes))
-
-    def train(self, global_batch: int, seed: int, start: int = 0) -> tf.data.Dataset:
-        """Endless shuffled global batches (a new order each epoch, fixed by `seed`) of
-        (images, labels, positions), from stream position `start` on (a resumed run
-        continues where it stopped)."""
-        if len(self.train_labels) < global_batch:
-            raise DatasetError(f"{self.name}: {len(self.train_labels)} training examples is "
-                               f"fewer than one global batch of {global_batch}")
-        ds = tf.data.Dataset.from_tensor_slices((self.train_images, self.train_labels))
-        ds = ds.shuffle(len(self.train_labels), seed=seed, reshuffle_each_iteration=True)
-        ds = tf.data.Dataset.zip((ds.repeat().skip(start), tf.data.Dataset.counter(start)))
-        ds = ds.map(lambda item, position: (*item, position))
-        ds = ds.batch(global_batch, drop_remainder=True)
-        return ds.map(self._prepare_train, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
-
-    def _prepare_train(self, images, labels, positions):
-        return normalize(images, self.mean, self.std), labels, positions
-
-    def validation(self, global_batch: int) -> tf.data.Dataset:
-        """One pass over the validation split; the last batch is padded with label -1."""
-        n = len(self.val_labels)
-        pad = (-n) % global_batch
-        images = np.concatenate([self.val_images, np.zeros((pad,) + self.val_images.shape[1:],
-                                                           self.val_images.dtype)])
-        labels = np.concatenate([self.val_labels, -np.ones((pad,), np.int32)])
-        ds = tf.data.Dataset.from_tensor_slices((images, labels)).batch(global_batch)
-        return ds.map(self._prepare).prefetch(2)
-
-    def _prepare(self, images, labels):
-        return normalize(images, self.mean, self.std), labels
-
-    @property
-    def num_train(self) -> int:
-        return len(self.train_labels)
-
-    def sample_images(self, count: int = 8) -> np.ndarray:
-        return self.train_images[:count]
 
 
 IMAGENET_TARS = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar")
@@ -104,8 +50,14 @@ def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Opti
         return _digits(image_shape)
     if name == "synthetic":
         return _synthetic(image_shape, num_classes or 10, seed)
+    if name == "faces":
+        from owt_tf.data.faces import faces_dataset  # it builds on ArrayDataset, above
+
+        return faces_dataset(image_shape)
     if name.startswith("folder:"):
         dataset = FolderDataset(name[len("folder:"):], image_shape)
+    elif name.startswith("insightface:"):
+        dataset = InsightFaceDataset(name[len("insightface:"):], image_shape)
     elif name.startswith("tfds:"):
         dataset = TfdsDataset(name[len("tfds:"):], image_shape, data_dir, download)
     elif name == "imagenet2012":
@@ -116,7 +68,10 @@ def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Opti
         raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
     if augment not in AUGMENTATIONS:
         raise DatasetError(f"unknown augmentation {augment!r}; known: {', '.join(AUGMENTATIONS)}")
-    dataset.augment = default_augmentation(dataset) if augment == "auto" else augment
+    if augment != "auto":
+        dataset.augment = augment
+    else:  # a dataset may know its own (face sets: the mirror image only)
+        dataset.augment = getattr(dataset, "auto_augment", None) or default_augmentation(dataset)
     return dataset
 
 

@@ -137,6 +137,7 @@ class _Config:
 
         from owt_tf.models import build_model
         from owt_tf.parallel.strategy import HybridStrategy
+        from owt_tf.training.driver import StepDriver
         from owt_tf.training.optim import build_optimizer
 
         self.scheme, self.k, self.jit, self.precision = scheme, k, jit, precision
@@ -146,9 +147,11 @@ class _Config:
         spec = build_model(args.model, args.classes, dropout=0.5, image_size=args.image_size)
         fc_batch = args.fc_batch if Scheme(scheme).has_rounds else "global"
         self.fc_batch = fc_batch
-        self.hybrid = HybridStrategy(devices[:run_k], scheme, self.batch, fc_batch,
-                                     args.fc_exchange if Scheme(scheme).model_parallel else "gather",
-                                     args.loss, jit=jit, precision=precision)
+        self.hybrid = HybridStrategy(
+            devices[:run_k], scheme, batch_size=self.batch, fc_batch=fc_batch,
+            fc_exchange=args.fc_exchange if Scheme(scheme).model_parallel else "gather",
+            loss=args.loss, jit=jit, precision=precision)
+        self.driver = StepDriver(self.hybrid)
         self.model = self.hybrid.placement.build_model(self.hybrid.parallel_plan, spec, seed=0)
         self.optim = build_optimizer(self.hybrid, self.model, 0.001, 0.001, 0.9, 5e-4)
         rng = np.random.default_rng(0)
@@ -165,7 +168,7 @@ class _Config:
 
         @tf.function
         def step(x, y):
-            return self.hybrid.engine.train_step(self.model, self.optim, x, y, seed, loss_scale=scale)
+            return self.driver.train_step(self.model, self.optim, x, y, seed, loss_scale=scale)
 
         self.step = step
 
@@ -245,7 +248,7 @@ def run_bench(args) -> List[BenchRecord]:
     records = []
     for cfg in configs:
         t = statistics.median(times[id(cfg)]) if times[id(cfg)] else None
-        ledger = cfg.hybrid.engine.ledger
+        ledger = cfg.driver.ledger
         records.append(BenchRecord(
             model=args.model, scheme=cfg.scheme, devices=1 if Scheme(cfg.scheme) is Scheme.SINGLE else cfg.k,
             batch_size=cfg.batch, global_batch=cfg.global_batch, fc_batch=cfg.fc_batch,

@@ -138,6 +138,7 @@ def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: 
 
     import owt_tf
     from owt_tf.parallel import collectives as coll
+    from owt_tf.planner import ledger
 
     plain = build_big_head_model(classes)  # outside the scope: not mirrored
     strategy = owt_tf.HybridStrategy(devices=list(devices), scheme=scheme,
@@ -147,7 +148,7 @@ def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: 
         _compile(model)
     del plain  # the user's one-device copy is no longer needed once split
     gc.collect()
-    with coll.recording(coll.TrafficLedger()) as ledger:
+    with ledger.recording(ledger.TrafficLedger()) as ledger:
         timer = _fit_and_time(model, classes, global_batch, warmup, steps)
     return dict(timer=timer, bytes_per_step=float(ledger.total),
                 bytes_by_purpose=ledger.summary(), loss_mode=model.head.loss_mode,
@@ -162,6 +163,7 @@ def _train_mirrored(classes: int, devices: Sequence[str], global_batch: int, war
     all-reduces every gradient."""
     from owt_tf.devices import make_strategy
     from owt_tf.parallel import collectives as coll
+    from owt_tf.planner import ledger
 
     strategy = make_strategy(devices)
     with strategy.scope():
@@ -170,8 +172,8 @@ def _train_mirrored(classes: int, devices: Sequence[str], global_batch: int, war
     timer = _fit_and_time(model, classes, global_batch, warmup, steps)
     head = model.get_layer("classes").trainable_variables
     trunk = [v for v in model.trainable_variables if all(v is not h for h in head)]
-    sent = {coll.CONV_GRAD: _all_reduce_bytes(trunk, len(devices)),
-            coll.FC_GRAD: _all_reduce_bytes(head, len(devices))}
+    sent = {ledger.CONV_GRAD: _all_reduce_bytes(trunk, len(devices)),
+            ledger.FC_GRAD: _all_reduce_bytes(head, len(devices))}
     return dict(timer=timer, bytes_per_step=sum(sent.values()), bytes_by_purpose=sent,
                 how="tf.distribute.MirroredStrategy")
 
@@ -182,8 +184,10 @@ def _all_reduce_bytes(variables, k: int) -> float:
 
     from owt_tf.parallel import collectives as coll
 
+    from owt_tf.planner import ledger
+
     nbytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
-    return float(coll.all_reduce_cost(nbytes, k))
+    return float(ledger.all_reduce_cost(nbytes, k))
 
 
 def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int, steps: int,

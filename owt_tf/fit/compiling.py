@@ -16,7 +16,8 @@ import tensorflow as tf
 
 from owt_tf.devices import outside_strategy_scope
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.head.shards import ShardedHead
+from owt_tf.planner import ledger
+from owt_tf.parallel.head.layout import ShardedHead
 
 # Optimizers whose update of each weight depends only on that weight's own gradient and
 # state, so that updating a shard equals updating its part of the whole layer.
@@ -261,14 +262,14 @@ class GradientClip:
     def fc(self, grads: List[tf.Tensor]) -> List[tf.Tensor]:
         """Per-weight clipping of this replica's shard gradients, norms over every shard."""
         return _per_weight(grads, self.fc_settings,
-                           lambda squares: coll.all_reduce_sum(squares, coll.FC_GRAD))
+                           lambda squares: coll.all_reduce_sum(squares, ledger.FC_GRAD))
 
     def whole(self, trunk_grads: List[tf.Tensor], fc_grads: List[tf.Tensor]):
         """global_clipnorm: one norm over the trunk's summed gradients and every shard's."""
         squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in trunk_grads]
                            or [tf.constant(0.0)])
         shard = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in fc_grads])
-        norm = _norm(squares + coll.all_reduce_sum(shard, coll.FC_GRAD))
+        norm = _norm(squares + coll.all_reduce_sum(shard, ledger.FC_GRAD))
         return (_by_norm(trunk_grads, norm, self.global_norm),
                 _by_norm(fc_grads, norm, self.global_norm))
 

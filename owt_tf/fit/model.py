@@ -1,4 +1,5 @@
-"""`owt_tf.parallelize(model)`: a user's Keras model, trained the Keras way on the hybrid.
+"""ParallelModel: a user's Keras model, trained the Keras way on the hybrid (made by
+`owt_tf.parallelize`, owt_tf.fit.parallelize).
 
     strategy = owt_tf.HybridStrategy(devices=4, scheme="owt-b", fc_batch="worker")
     with strategy.scope():
@@ -25,114 +26,29 @@ one-device model with the trained weights.
 """
 from __future__ import annotations
 
-import gc
 import json
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.devices import outside_strategy_scope
-from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
-from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.head import state as head_state
 from owt_tf.fit import callbacks as keras_callbacks
 from owt_tf.fit import data as keras_data
-from owt_tf.fit import files as keras_files
-from owt_tf.fit.compiling import (MEAN_REDUCTIONS, CompileError,  # noqa: F401
-                                           GradientClip, KerasShardOptimizer,
-                                           inner_optimizer as _inner,
-                                           loss_divisor, loss_reduction, per_example_loss,
-                                           rate_ratio, refuse_for_fc_batch, refuse_optimizer,
-                                           refuse_settings)
-from owt_tf.fit.updates import StepUpdates
+from owt_tf.fit.compiling import (CompileError, GradientClip, KerasShardOptimizer,
+                                  inner_optimizer as _inner, loss_reduction, per_example_loss,
+                                  rate_ratio, refuse_for_fc_batch, refuse_optimizer,
+                                  refuse_settings)
+from owt_tf.fit.metrics import loss_on_shards
+from owt_tf.fit.saving import SavingMixin
+from owt_tf.fit.steps import StepsMixin
 from owt_tf.fit.view import HeadViewMixin
-from owt_tf.planner.plan import AUTO, PlanError, StepRounds
-from owt_tf.parallel.schemes import round_weights
-from owt_tf.parallel.head.metrics import join_rounds, loss_on_shards, map_rows, metric_inputs
-from owt_tf.parallel.step import replica_logit_shard, replica_train_step, shard_index, whole_logits
-from owt_tf.parallel.strategy import HybridStrategy, current_strategy
-
-class TrainingCallError(RuntimeError):
-    """Training outside Keras' loops, which a parallelized model cannot honour."""
-
-
-def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
-                seed: Optional[int] = None) -> "ParallelModel":
-    """`model` split at its FC stack: trunk mirrored over the strategy's devices, Dense layers
-    sharded. The user's weights are kept. `strategy`: default, the HybridStrategy whose
-    `scope()` is open. `seed` seeds the head's dropout (default: drawn at random)."""
-    hybrid = strategy or current_strategy()
-    if hybrid is None:
-        raise ValueError("owt_tf.parallelize needs a HybridStrategy: call it inside "
-                         "`with strategy.scope():` or pass strategy=")
-    # Before the split: the rebuilt model and the split's clone each hold a copy of the head
-    # (GBs for a million classes), and only one at a time is alive.
-    source = _rebuildable_source(model)
-    # Outside the scope: the split works on a throwaway clone, which needs no mirrored copy.
-    split = outside_strategy_scope(lambda: split_keras_model(model, allow_float16=True))
-    if hybrid.scheme == AUTO:
-        print(_choose_scheme(hybrid, split, model.name).line, flush=True)
-    if not hybrid.model_parallel:
-        raise UnsupportedModel("scheme 'data' shards nothing: train the model with "
-                               "tf.distribute.MirroredStrategy and plain Keras instead")
-    try:
-        hybrid.parallel_plan.check_widths(split.head.hidden, hybrid.num_replicas,
-                                          split.dense_names[:-1])
-    except PlanError as err:
-        raise UnsupportedModel(err.message) from None
-    if seed is None:
-        seed = int(np.random.default_rng().integers(2**31 - 1))
-    # In a cluster every worker takes the chief's: the head's dropout masks and the order of
-    # shuffled arrays must be the same on every worker.
-    placement = hybrid.placement
-    seed = int(placement.sum_over_workers(np.array([seed if placement.is_chief else 0]))[0])
-    with hybrid.scope():
-        parallel = ParallelModel(hybrid, split, source, seed)
-        if keras_files.is_resumable(model):  # a loaded .keras file: its run goes on
-            keras_files.read_state(parallel, model)
-        return parallel
-
-
-def _rebuildable_source(model: keras.Model) -> dict:
-    """The model's config, refused now if Keras cannot rebuild it (not at the first save
-    after training). Keras consumes the dict it deserializes: a copy is used."""
-    source = keras.saving.serialize_keras_object(model)
-    try:
-        outside_strategy_scope(
-            lambda: keras.saving.deserialize_keras_object(json.loads(json.dumps(source))))
-    except Exception as err:  # noqa: BLE001 -- any failure means save/export would fail
-        raise UnsupportedModel(f"model {model.name}: cannot be rebuilt from its config, so it "
-                               f"could not be saved ({type(err).__name__}: "
-                               f"{str(err).splitlines()[0]}); register custom layers with "
-                               "keras.saving.register_keras_serializable") from None
-    gc.collect()  # the rebuilt model's layers hold reference cycles
-    return source
-
-
-def _choose_scheme(hybrid: HybridStrategy, split: KerasSplit, name: str):
-    """`scheme="auto"` resolved for this model: the planner's fastest of the schemes that
-    shard the head (parallelize refuses 'data'); a trunk the cost model cannot count gets
-    the fallback, with the reason."""
-    from owt_tf.models.cost import Uncountable, trunk_cost
-
-    features = int(np.prod(split.trunk.output_shape[1:]))
-    try:
-        net, note = trunk_cost(split.trunk, features, split.head), ""
-    except Uncountable as err:
-        net, note = None, f"the cost model cannot count model {name}: {err}"
-    return hybrid.choose_scheme(net, split.head.hidden, ("owt-a", "owt-b", "owt-c"), note)
-
-
-def _own_share(rows: tf.Tensor) -> tf.Tensor:
-    """This replica's 1/K of rows that every replica holds (the gathered batch). Keras sums a
-    metric's variables over replicas (they are ON_READ, SUM): fed the whole batch on every
-    replica, a count metric (TruePositives, ...) would come out K times too large."""
-    k, n = coll.replica_id(), coll.num_replicas()
-    per = rows.shape[0] // n
-    return rows[k * per:(k + 1) * per]
+from owt_tf.models.split import KerasSplit
+from owt_tf.parallel.head.layout import HeadLoss
+from owt_tf.parallel.step import TrunkRunner
+from owt_tf.parallel.strategy import HybridStrategy
+from owt_tf.planner.plan import sampling_problem
 
 
 def _count_batches(data: tf.data.Dataset) -> int:
@@ -155,7 +71,7 @@ def _warn_if_large(data: tf.data.Dataset, classes: int) -> None:
                       "returns each row's top classes without gathering them", stacklevel=3)
 
 
-class ParallelModel(HeadViewMixin, keras.Model):
+class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
     """A Keras model whose trunk is data parallel and whose Dense head is sharded (see the
     module docstring). Build it with `owt_tf.parallelize`. What summary, get_layer,
     count_params and TensorBoard see of the head: owt_tf.fit.view."""
@@ -174,7 +90,13 @@ class ParallelModel(HeadViewMixin, keras.Model):
         trunk.set_weights(split.trunk.get_weights())
         self.trunk = trunk
         split.release_clone()  # its Dense layers: a copy of the head, not needed any more
-        self.head = hybrid.placement.place_head(hybrid.parallel_plan, split.head, split.head_weights, split.compute_dtype)
+        plan = hybrid.parallel_plan
+        # Until compile names the loss: the plan's sample rate, on the shards when it samples.
+        provisional = HeadLoss("sharded" if plan.sample_rate < 1 else "gathered",
+                               sample_rate=plan.sample_rate)
+        self.head = hybrid.placement.place_head(plan, split.head, split.head_weights,
+                                                split.compute_dtype, provisional)
+        self._trunk_runner = TrunkRunner(self.trunk, plan.jit)
         self._fc_optimizer: Optional[KerasShardOptimizer] = None
         self._pending_fc_slots: Optional[Dict[str, np.ndarray]] = None
         self.built = True
@@ -212,13 +134,13 @@ class ParallelModel(HeadViewMixin, keras.Model):
             if not self.optimizer.built:
                 self.optimizer.build(self.trunk.trainable_variables)
         trunk_optimizer = _inner(self.optimizer)
-        self.head.per_example_loss = per_example_loss(loss)
         self._reduction = loss_reduction(loss)
         self._clip = GradientClip(trunk_optimizer, fc_template)
         refuse_for_fc_batch(self._hybrid.parallel_plan.fc_batch, self._reduction, self._clip,
                             self._loss_scaler() is not None)
-        self.head.loss_mode = "gathered" if on_shards is None else "sharded"
-        self.head.sharded_loss, self.head.candidates_k = on_shards, candidates_k
+        self.head.use_loss(HeadLoss("gathered" if on_shards is None else "sharded", on_shards,
+                                    candidates_k, per_example_loss(loss),
+                                    self._hybrid.parallel_plan.sample_rate))
         self._fc_optimizer = KerasShardOptimizer(fc_template, self.head, self._hybrid.placement.devices,
                                               trunk_optimizer, rate_ratio(trunk_optimizer, fc_optimizer),
                                               own_schedule=fc_optimizer is not None)
@@ -239,9 +161,9 @@ class ParallelModel(HeadViewMixin, keras.Model):
         on_shards, k, why = loss_on_shards(loss, metrics, weighted_metrics,
                                            spec.output_activation, spec.num_classes)
         rate = self._hybrid.parallel_plan.sample_rate
-        if rate < 1 and on_shards is None:
-            raise CompileError(f"sample_rate={rate:g} samples classes in the cross-entropy "
-                               f"computed on the shards, but {why}")
+        problem = sampling_problem(rate, on_shards is not None)
+        if problem:
+            raise CompileError(f"sample_rate={rate:g} {problem}, but {why}")
         if rate < 1 and on_shards.label_smoothing:
             raise CompileError(f"sample_rate={rate:g} with label_smoothing: smoothing spreads "
                                "labels over every class, sampling drops most of them")
@@ -277,133 +199,14 @@ class ParallelModel(HeadViewMixin, keras.Model):
                 optimizer.__init__(**config)
         return optimizer
 
-    # -- steps (traced by Keras inside strategy.run) --------------------------------------
-    def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        rows = self._static_rows(x)
-        plan = self._hybrid.step_rounds(rows)
-        trunk_vars = self.trunk.trainable_variables
-        step = tf.cast(self.optimizer.iterations, tf.int64) + self._step_offset
-        step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64), step]), tf.int32)
-        weights, metric_weights = self._loss_weights(plan, sample_weight, rows)
-        scaler = self._loss_scaler()
-        updates = StepUpdates(_inner(self.optimizer), trunk_vars, self._fc_optimizer, self._clip,
-                           scaler)
-        step = replica_train_step(plan, self.head, self._hybrid.engine.trunk_forward(self.trunk, True),
-                                  trunk_vars, x, y, step_seed, updates.trunk, updates.fc,
-                                  None if scaler is None else scaler.dynamic_scale.value,
-                                  weights)
-        updates.finish(shard_index(plan))
-        rounds = step.rounds
-        loss = rounds.loss_sum / rounds.count
-        if step.trunk_loss is not None:
-            loss += step.trunk_loss
-        with self._after_data(loss):
-            self._loss_metric().update_state(loss, sample_weight=rounds.count)
-            labels = _own_share(tf.concat(rounds.labels, 0))
-            outputs = map_rows(_own_share, join_rounds(rounds.outputs))
-            weights = None if metric_weights is None else _own_share(tf.concat(metric_weights, 0))
-            return self._logs(self.compute_metrics(x, *metric_inputs(labels, outputs), weights))
 
-    def _logs(self, logs: dict) -> dict:
-        """A step's logs as Keras' loops can reduce them. Across workers Keras reduces each
-        value with MultiWorkerMirroredStrategy.reduce(MEAN, axis=0), which fails on a scalar
-        (tensorflow/tensorflow#72388): there each becomes [1] (the values are the same on
-        every replica, so their mean is the value)."""
-        if self._hybrid.placement.cluster is None:
-            return logs
-        return {name: tf.reshape(value, [1]) for name, value in logs.items()}
 
-    def _loss_weights(self, plan: StepRounds, sample_weight, rows: int):
-        """Per round, each row's weight in the loss (its sample weight times what turns the
-        engine's mean into Keras' reduction), and the sample weights themselves for Keras'
-        weighted metrics; (None, None) when every weight is 1."""
-        if sample_weight is None and self._reduction in MEAN_REDUCTIONS:
-            return None, None
-        local = (tf.ones([rows]) if sample_weight is None
-                 else tf.reshape(tf.cast(sample_weight, tf.float32), [rows]))
-        raw = round_weights(plan, local)
-        total = rows * plan.num_replicas
-        # The rounds together hold every row of the global batch once.
-        divisor = loss_divisor(self._reduction, total, tf.add_n([tf.reduce_sum(w) for w in raw]))
-        scale = tf.math.divide_no_nan(tf.constant(float(total)), divisor)
-        return [w * scale for w in raw], None if sample_weight is None else raw
 
-    def test_step(self, data):
-        x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
-        weight, valid = weight if isinstance(weight, tuple) else (None, weight)
-        logits = replica_logit_shard(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
-        labels, valid = coll.gather_labels(y), coll.gather_labels(valid)
-        weight = valid if weight is None else coll.gather_labels(weight) * valid
-        # outputs: whole rows, or under the sharded loss each shard's top candidates
-        per_example, _, outputs = self.head.loss_terms(logits, labels, coll.replica_id())
-        per_example = tf.cast(per_example, tf.float32)
-        count = tf.reduce_sum(valid)
-        loss = tf.math.divide_no_nan(tf.reduce_sum(per_example * weight),
-                                     loss_divisor(self._reduction, count, tf.reduce_sum(weight)))
-        if self.trunk.losses:
-            loss += tf.add_n(self.trunk.losses)
-        # Keras' `metrics` ignore sample weights (only `weighted_metrics` use them): the
-        # padding rows are dropped instead.
-        labels, weight, real = (_own_share(t) for t in (labels, weight, valid > 0))
-        outputs = map_rows(lambda t: tf.boolean_mask(t, real), map_rows(_own_share, outputs))
-        labels, weight = tf.boolean_mask(labels, real), tf.boolean_mask(weight, real)
-        with self._after_data(loss):
-            self._loss_metric().update_state(loss, sample_weight=count)
-            return self._logs(self.compute_metrics(x, *metric_inputs(labels, outputs), weight))
 
-    def predict_step(self, data):
-        x, valid = (data[0], data[1]) if isinstance(data, (tuple, list)) and len(data) > 1 else (
-            data[0] if isinstance(data, (tuple, list)) else data, None)
-        logits = replica_logit_shard(True, self.head, self._hybrid.engine.trunk_forward(self.trunk, False), x)
-        rows = self._static_rows(x)
-        k = coll.replica_id()
-        top_k = getattr(self, "_predict_top_k", None)
-        if top_k:  # (scores, class ids) from each shard's candidates: no [rows, classes] gather
-            outputs = tuple(self.head.top_k_outputs(logits, k, top_k))
-        else:
-            outputs = self.head.outputs(whole_logits(self.head, logits))
-        outputs = tf.nest.map_structure(lambda t: t[k * rows:(k + 1) * rows], outputs)
-        if valid is None:
-            return outputs
-        return tf.nest.map_structure(lambda t: tf.boolean_mask(t, valid > 0), outputs)
 
-    def call(self, inputs, training=False):
-        """One-device forward pass in inference mode (every shard joined): Keras' symbolic
-        build and direct calls. fit / evaluate / predict run the distributed steps above."""
-        if training:
-            raise TrainingCallError(
-                "model(x, training=True) is not supported on a parallelized model: train with "
-                "fit or train_on_batch (a GradientTape over model.trainable_variables would "
-                "see the trunk only, not the FC shards)")
-        features = self.trunk(inputs, training=False)
-        if len(self.head.local_shards) < self.head.num_shards:  # a worker of a cluster
-            if tf.executing_eagerly():
-                raise TrainingCallError("model(x) in a multi-worker run: each worker holds only "
-                                        "its own FC shards; use predict")
-            # Keras' symbolic build traces a call for the outputs' shape only.
-            logits = tf.zeros([tf.shape(features)[0], self.head.spec.num_classes])
-            return self.head.outputs(logits)
-        return self.head.outputs(self.head.forward_assembled(features))
 
-    @staticmethod
-    def _after_data(value):
-        """Orders the metric updates after `value`, which depends on the batch. Static batch
-        shapes make the counts constants, and Keras' last call of an epoch over a dataset of
-        unknown length fails in `get_next` while such updates, waiting on nothing, still run:
-        every metric then counted one batch too many."""
-        return tf.control_dependencies([value])
 
-    def _loss_metric(self):
-        return next(m for m in self.metrics if m.name == "loss")
 
-    @staticmethod
-    def _static_rows(x) -> int:
-        rows = x.shape[0]
-        if rows is None:
-            raise keras_data.DataError("a replica's batch has no static size; feed "
-                                       "fit/evaluate/predict through the model itself")
-        return int(rows)
 
     # -- Keras' loops, with static global batches ------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, *, validation_data=None,
@@ -541,93 +344,14 @@ class ParallelModel(HeadViewMixin, keras.Model):
         raise keras_data.DataError("validation_data must be (x, y), (x, y, sample_weight) or "
                                    "a tf.data.Dataset")
 
-    # -- weights, saving, export -------------------------------------------------------------
-    def fc_weights(self) -> List:
-        """Every Dense layer of the head whole: [(kernel, bias), ...] as numpy arrays."""
-        return self.head.full_weights(self._hybrid.placement.read_shards)
 
-    def get_weights(self) -> List[np.ndarray]:
-        """The trunk's weights, then each Dense layer's kernel and bias, whole (the order of
-        the user's model when its head is last); EarlyStopping's restore_best_weights uses it."""
-        return self.trunk.get_weights() + [w for pair in self.fc_weights() for w in pair]
 
-    def set_weights(self, weights) -> None:
-        n = len(self.trunk.get_weights())
-        self.trunk.set_weights(weights[:n])
-        head = weights[n:]
-        state = {}
-        for i in range(len(self.head.layers)):
-            for j, part in enumerate(("kernel", "bias")):
-                state[head_state.weight_key(i, part)] = head[2 * i + j]
-        self._restore_head(state)
 
-    def to_keras_model(self) -> keras.Model:
-        """The user's architecture as a plain one-device Keras model with these weights."""
-        source = json.loads(self._source_json)
-        plain = outside_strategy_scope(lambda: keras.saving.deserialize_keras_object(source))
-        for layer in self.trunk.layers:
-            if layer.weights:
-                plain.get_layer(layer.name).set_weights(layer.get_weights())
-        for name, (kernel, bias) in zip(self._dense_names, self.fc_weights()):
-            plain.get_layer(name).set_weights([kernel, bias])
-        return plain
 
-    def save(self, filepath, overwrite=True, **kwargs):
-        """The model as a plain one-device Keras model (`.keras`): it loads without owt_tf,
-        compiled as this one, with the optimizer's state (trunk and every shard, whole;
-        owt_tf.fit.files), so that `load_model` + `fit` continues the run, and
-        `parallelize` of the loaded model continues it at any K."""
-        plain = self.to_keras_model()
-        if getattr(self, "compiled", False) and getattr(self, "optimizer", None) is not None:
-            keras_files.write_state(self, plain)
-        with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
-            return plain.save(path, overwrite=overwrite, **kwargs)
 
-    def save_weights(self, filepath, overwrite=True, **kwargs):
-        """Keras' save_weights (each FC layer and its slots whole: save_own_variables); in a
-        cluster only the chief's file is kept."""
-        with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
-            return super().save_weights(path, overwrite=overwrite, **kwargs)
 
-    def export(self, filepath, format="tf_saved_model", **kwargs):
-        """The plain one-device model exported by Keras (a SavedModel by default)."""
-        return self.to_keras_model().export(filepath, format=format, **kwargs)
 
-    def save_own_variables(self, store):
-        """Each FC layer, and its optimizer slots, as whole tensors: the same file at any K."""
-        super().save_own_variables(store)
-        for name, value in self._head_state().items():
-            store[name] = value
 
-    def load_own_variables(self, store):
-        super_keys = [k for k in store.keys() if not k.startswith("fc")]
-        if super_keys:
-            super().load_own_variables({k: store[k] for k in super_keys})
-        state = {k: np.asarray(store[k]) for k in store.keys() if k.startswith("fc")}
-        self._restore_head(state)
 
-    def _head_state(self) -> Dict[str, np.ndarray]:
-        return head_state.head_arrays(self.head, self._fc_optimizer, self._hybrid.placement.read_shards)
 
-    def _restore_head(self, state: Dict[str, np.ndarray]) -> None:
-        head_state.restore_weights(self.head, state, self._dense_names)
-        if not any("_slot" in k for k in state):
-            return
-        if self._fc_optimizer is None:  # loaded before compile: applied by compile
-            self._pending_fc_slots = state
-        else:
-            self._restore_fc_slots(state)
 
-    def _restore_fc_slots(self, state: Dict[str, np.ndarray]) -> None:
-        """The FC optimizer's slots and step count, if they were saved by the same kind of
-        optimizer with as many slots; else fresh ones are kept with a warning, as Keras does
-        for an optimizer whose saved state does not match."""
-        opt = self._fc_optimizer
-        if not head_state.slots_fit(state, opt):
-            warnings.warn(f"Skipping the FC optimizer state: it was saved by "
-                          f"{head_state.saved_kind(state) or 'an optimizer'} with "
-                          f"{head_state.saved_slots(state)} slot(s) per weight; this model's FC "
-                          f"optimizer is {opt.kind} with {opt.num_slots}", stacklevel=2)
-            return
-        head_state.restore_slots(self.head, state, opt)
-        opt.sync_iterations()

@@ -10,6 +10,8 @@ from typing import List
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
+
+from owt_tf.planner import ledger
 from owt_tf.fit.compiling import GradientClip, KerasShardOptimizer, apply_summed
 
 
@@ -36,8 +38,8 @@ class StepUpdates:
     def trunk(self, grads: List[tf.Tensor]) -> None:
         if grads:
             k = coll.num_replicas()
-            coll.record(coll.CONV_GRAD, "all_reduce",
-                        sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
+            coll.record(ledger.CONV_GRAD, "all_reduce",
+                        sum(ledger.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
         if not self.summed:
             return self._apply_trunk(grads, summed=False)
         if grads:  # the collective Keras' apply_gradients would issue
@@ -106,5 +108,5 @@ class StepUpdates:
 def _finite_everywhere(grads: List[tf.Tensor]) -> tf.Tensor:
     """True on every replica iff every replica's `grads` are finite (the shards' differ)."""
     finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-    bad = coll.all_reduce_sum(tf.cast(tf.logical_not(finite), tf.float32), coll.FC_GRAD)
+    bad = coll.all_reduce_sum(tf.cast(tf.logical_not(finite), tf.float32), ledger.FC_GRAD)
     return tf.equal(bad, 0.0)

@@ -1,7 +1,7 @@
 """What Keras' inspection tools see of a parallelized model's sharded head: read-only whole
 views of its Dense layers, under the user's layer names.
 
-The head's FC shards (owt_tf.parallel.head.shards) are plain tf.Variables that Keras does not
+The head's FC shards (owt_tf.parallel.head.layout) are plain tf.Variables that Keras does not
 track, on purpose: Keras' optimizer would all-reduce their gradients and give wrong weights
 without an error. `HeadViewMixin` (a base of ParallelModel) shows them to the tools that read
 a model's layers without training it:
@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.utils import summary_utils
 
-from owt_tf.parallel.head.shards import ShardedDense, ShardReader, assemble
+from owt_tf.parallel.head.layout import ShardedDense, ShardReader, assemble
 
 
 class ReadOnlyView(RuntimeError):

@@ -11,7 +11,6 @@ _LAZY = {
     "StepRounds": "owt_tf.planner.plan",
     "Scheme": "owt_tf.planner.plan",
     "ParallelPlan": "owt_tf.planner.plan",
-    "parallelize": "owt_tf.fit.model",
 }
 
 

@@ -37,12 +37,9 @@ import tensorflow as tf
 
 from owt_tf.parallel import launchers
 from owt_tf.planner import ledger
-# The purposes and cost helpers, re-exported: the engine names a collective's purpose as coll.X.
-from owt_tf.planner.ledger import (ACTIVATIONS, CONV_GRAD, FC_EXCHANGE, FC_GRAD, LABELS,  # noqa: F401
-                                    LOGITS, PURPOSES, TrafficLedger, all_gather_cost,
-                                    all_reduce_cost, all_to_all_keys_collide, broadcast_cost,
-                                    engine_reduce_scatter_cost, joins_rounds, recording,
-                                    reduce_scatter_cost)
+from owt_tf.planner.ledger import (LABELS, all_gather_cost, all_reduce_cost,
+                                   all_to_all_keys_collide, broadcast_cost,
+                                   engine_reduce_scatter_cost)
 
 def tensor_bytes(x) -> int:
     shape = x.shape.as_list() if hasattr(x.shape, "as_list") else list(x.shape)

@@ -22,9 +22,10 @@ from owt_tf.devices import (make_multiworker_strategy, make_strategy, outside_st
                             replica_devices)
 from owt_tf.models.spec import ModelSpec
 from owt_tf.parallel import collectives as coll
-from owt_tf.planner.plan import ParallelPlan, PlanError
+from owt_tf.planner.plan import ParallelPlan, PlanError, sampling_problem
 from owt_tf.parallel.precision import keras_policy
-from owt_tf.parallel.head.shards import ShardedHead, ShardReader, read_local_shards
+from owt_tf.parallel.step import TrunkRunner
+from owt_tf.parallel.head.layout import HeadLoss, ShardedHead, ShardReader, read_local_shards
 
 
 @dataclasses.dataclass
@@ -37,6 +38,12 @@ class DistributedModel:
     # How this process reads every FC shard (a collective gather in a cluster: every
     # worker must then call full_weights / named_weights at the same point).
     read_shards: ShardReader = read_local_shards
+    # The trunk's forward pass (XLA-compiled per replica with the plan's jit).
+    trunk_runner: Optional[TrunkRunner] = None
+
+    def __post_init__(self):
+        if self.trunk_runner is None:
+            self.trunk_runner = TrunkRunner(self.trunk)
 
     def full_weights(self) -> Dict[str, List[np.ndarray]]:
         """All weights as one device would hold them: trunk list and [(kernel, bias), ...]."""
@@ -95,33 +102,36 @@ class Placement:
         """Trunk mirrored on every device; FC shard k on devices[k] (or mirrored for 'data').
         Both compute in the plan's precision (a user's model: in its own dtype policy), with
         float32 weights."""
-        if plan.sample_rate < 1 and plan.loss != "sharded":  # Keras' compile picks its own
-            raise PlanError("sample_rate", "< 1 samples classes in the class-sharded "
-                            "cross-entropy: needs loss='sharded'")
+        problem = sampling_problem(plan.sample_rate, plan.loss == "sharded")
+        if problem:
+            raise PlanError("sample_rate", f"{problem}: needs loss='sharded'")
         with self.strategy.scope(), keras_policy(plan.compute_dtype):
             trunk = spec.build_trunk()
         trunk_weights, full = spec.initial_weights_for(trunk, seed)
         trunk.set_weights(trunk_weights)
         head = self.place_head(plan, spec.head, full, spec.compute_dtype)
         read = self.read_shards if plan.model_parallel else read_local_shards
-        return DistributedModel(spec, trunk, head, read)
+        return DistributedModel(spec, trunk, head, read, TrunkRunner(trunk, plan.jit))
 
     def place_head(self, plan: ParallelPlan, spec, full_weights,
-                   compute_dtype: Optional[str] = None) -> ShardedHead:
+                   compute_dtype: Optional[str] = None,
+                   loss: Optional[HeadLoss] = None) -> ShardedHead:
         """Where FC shards are placed: shard k on replica k's device (each process creates only
         its own); under pure data parallelism one mirrored copy. They compute in
-        `compute_dtype` (default: the plan's precision)."""
+        `compute_dtype` (default: the plan's precision) and compute `loss` (default: the
+        plan's, HeadLoss)."""
+        if loss is None:
+            loss = HeadLoss(plan.loss, sample_rate=plan.sample_rate)
         dtype = compute_dtype or plan.compute_dtype
         if plan.model_parallel:
             # Outside strategy.scope(): tf.device is ignored for variables created inside it
             # (tensorflow/tensorflow#56416).
             # A thread of its own: the caller may be inside a strategy scope.
             return outside_strategy_scope(lambda: ShardedHead(
-                spec, full_weights, self.devices, plan.fc_exchange, plan.loss,
-                local=self.local_replicas, compute_dtype=dtype, sample_rate=plan.sample_rate))
+                spec, full_weights, self.devices, plan.fc_exchange, loss,
+                local=self.local_replicas, compute_dtype=dtype))
         with self.strategy.scope():
-            return ShardedHead(spec, full_weights, [None], "gather", "gathered",
-                               compute_dtype=dtype)
+            return ShardedHead(spec, full_weights, [None], "gather", compute_dtype=dtype)
 
     def read_shards(self, per_shard: Dict[int, List[tf.Variable]]) -> List[List[np.ndarray]]:
         """Values of every FC shard's variables (the ShardReader of this strategy's models):

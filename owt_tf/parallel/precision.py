@@ -2,7 +2,7 @@
 
 `--precision bf16|fp16` makes the trunk and the FC shards compute in bfloat16 / float16 with
 float32 weights (Keras' `mixed_bfloat16` / `mixed_float16` policies; the shards cast their
-float32 variables the same way, owt_tf.parallel.head.shards). Activations and their gradients
+float32 variables the same way, owt_tf.parallel.head.layout). Activations and their gradients
 travel between replicas in the compute dtype, so the exchanges carry half the bytes; weight
 gradients, their all-reduce, the optimizer state and the loss stay float32. fp16 also
 needs a loss scale (`DynamicLossScale`); bfloat16 has float32's range and needs none.

@@ -23,14 +23,18 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
+
+from owt_tf.planner import ledger
 from owt_tf.parallel.head.sampling import SampledColumns
 from owt_tf.planner.plan import StepRounds
-from owt_tf.parallel.head.shards import ShardedHead
+from owt_tf.parallel.head.forward import forward_rounds
+from owt_tf.parallel.head.layout import ShardedHead
+from owt_tf.parallel.head.loss import loss_terms_rounds, sample_columns
 
 Backward = Callable[[List[tf.Tensor]], tf.Tensor]
 
 
-def exchange_rounds(plan: StepRounds, a_local: tf.Tensor, y_local: tf.Tensor,
+def exchange_rounds(rounds: StepRounds, a_local: tf.Tensor, y_local: tf.Tensor,
                     num_classes: int) -> Tuple[List[tf.Tensor], List[tf.Tensor], Backward]:
     """Every round's FC input and labels, and the function that turns the rounds' input
     gradients into d loss / d a_local.
@@ -42,7 +46,7 @@ def exchange_rounds(plan: StepRounds, a_local: tf.Tensor, y_local: tf.Tensor,
     r+1 after round r would serialize them. The labels ride in the same collectives
     (coll.pack_riders) where that is exact, else they are gathered on their own first.
     """
-    if not plan.model_parallel:
+    if not rounds.model_parallel:
         return [a_local], [y_local], lambda grads: grads[0]
     with tf.GradientTape() as tape:
         tape.watch(a_local)
@@ -53,27 +57,27 @@ def exchange_rounds(plan: StepRounds, a_local: tf.Tensor, y_local: tf.Tensor,
         # One op for all rounds: one backward collective (a reduce-scatter), no order among
         # several to get wrong.
         sent = a_local if packed is None else packed
-        if plan.scheme.round_from_one_worker:
-            received = coll.broadcast_rounds(sent, coll.ACTIVATIONS, riders)
+        if rounds.scheme.round_from_one_worker:
+            received = coll.broadcast_rounds(sent, ledger.ACTIVATIONS, riders)
         else:
-            received = coll.gather_rounds(sent, plan.num_rounds, coll.ACTIVATIONS, riders)
+            received = coll.gather_rounds(sent, rounds.num_rounds, ledger.ACTIVATIONS, riders)
         if packed is None:
             inputs = received
-            round_labels = [labels if plan.num_rounds == 1 else tf.gather(labels, plan.round_rows(r))
-                            for r in range(plan.num_rounds)]
+            round_labels = [labels if rounds.num_rounds == 1 else tf.gather(labels, rounds.round_rows(r))
+                            for r in range(rounds.num_rounds)]
         else:
             inputs, round_labels = map(list, zip(*(coll.unpack_riders(p, y_local) for p in received)))
     return inputs, round_labels, lambda grads: tape.gradient(inputs, a_local, output_gradients=grads)
 
 
-def round_weights(plan: StepRounds, weights_local: tf.Tensor) -> List[tf.Tensor]:
+def round_weights(rounds: StepRounds, weights_local: tf.Tensor) -> List[tf.Tensor]:
     """Every round's row weights from this replica's own ([B]): all replicas' weights
     gathered, then each round's rows picked as its labels are (tiny next to the
     activations, so a collective of their own)."""
-    weights = coll.gather_labels(weights_local) if plan.model_parallel else weights_local
-    if plan.num_rounds == 1:
+    weights = coll.gather_labels(weights_local) if rounds.model_parallel else weights_local
+    if rounds.num_rounds == 1:
         return [weights]
-    return [tf.gather(weights, plan.round_rows(r)) for r in range(plan.num_rounds)]
+    return [tf.gather(weights, rounds.round_rows(r)) for r in range(rounds.num_rounds)]
 
 
 def unscaled(grads: List[tf.Tensor], loss_scale: Optional[tf.Tensor]) -> List[tf.Tensor]:
@@ -110,15 +114,15 @@ class _Forward:
     cuts: List[coll.Cut]  # collectives whose backward is deferred (empty: none deferred)
 
 
-def _forward(plan: StepRounds, head: ShardedHead, rounds: Sequence[int], inputs: List[tf.Tensor],
+def _forward(rounds: StepRounds, head: ShardedHead, round_ids: Sequence[int], inputs: List[tf.Tensor],
              labels: List[tf.Tensor], shard: int, training: bool, seed: Optional[tf.Tensor],
              defer: bool, loss_scale: Optional[tf.Tensor],
              weights: Optional[Sequence[tf.Tensor]] = None) -> _Forward:
-    seeds = [None if seed is None else tf.random.experimental.stateless_fold_in(seed, r) for r in rounds]
+    seeds = [None if seed is None else tf.random.experimental.stateless_fold_in(seed, r) for r in round_ids]
     # Model parallel: each of the K replicas holds a copy of the same loss, and the
     # exchange's gradient sums the copies. Data parallel: own rows / (B*K), and the
     # gradient all-reduce sums the K parts. Either way each replica weighs its loss by 1/K.
-    loss_weight = 1.0 / plan.num_replicas
+    loss_weight = 1.0 / rounds.num_replicas
     if loss_scale is not None:  # fp16: gradients scaled up out of float16's underflow
         loss_weight = loss_weight * loss_scale
     with tf.GradientTape(persistent=defer) as tape:
@@ -126,8 +130,8 @@ def _forward(plan: StepRounds, head: ShardedHead, rounds: Sequence[int], inputs:
             tape.watch(x)
         with coll.deferred_backward(tape) if defer else contextlib.nullcontext([]) as cuts:
             sample = _class_sample(head, labels, shard, training, seeds)
-            logits = head.forward_rounds(inputs, shard, training, seeds, rounds, sample)
-            terms = head.loss_terms_rounds(logits, labels, shard, rounds, sample)
+            logits = forward_rounds(head, inputs, shard, training, seeds, round_ids, sample)
+            terms = loss_terms_rounds(head, logits, labels, shard, round_ids, sample)
         if weights is not None:  # Keras' weighted reduction: sum(loss x weight) / rows
             terms = [(ce * w, right, out) for (ce, right, out), w in zip(terms, weights)]
         losses = [tf.reduce_mean(ce) * loss_weight for ce, _, _ in terms]
@@ -144,7 +148,7 @@ def _class_sample(head: ShardedHead, labels: Sequence[tf.Tensor], shard: int, tr
         return None
     if seeds[0] is None:
         raise ValueError("sample_rate < 1 needs the step's seed (train_step(seed=...))")
-    return head.sample_columns(labels, shard, seeds[0])
+    return sample_columns(head, labels, shard, seeds[0])
 
 
 def _gradients(fwd: _Forward, sources: List[tf.Tensor],
@@ -185,7 +189,7 @@ def _cut_groups(cuts: Sequence[coll.Cut]) -> List[List[int]]:
     return groups
 
 
-def run_fc_rounds(plan: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
+def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
                   shard: int, training: bool, seed: Optional[tf.Tensor],
                   apply_fc_update: FcUpdate,
                   loss_scale: Optional[tf.Tensor] = None,
@@ -207,28 +211,28 @@ def run_fc_rounds(plan: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_loc
     `weights`: per round, a weight for each of its rows (round_weights); each per-example
     loss is multiplied by its row's weight before the mean (and in `loss_sum`).
     """
-    inputs, labels, exchange_backward = exchange_rounds(plan, a_local, y_local, head.spec.num_classes)
+    inputs, labels, exchange_backward = exchange_rounds(rounds, a_local, y_local, head.spec.num_classes)
     shard_vars = head.shard_variables(shard)
-    if plan.updates_fc_every_round:
+    if rounds.updates_fc_every_round:
         # round r+1 runs on the FC weights round r updated
         forwards, applied = [], []
         input_grads = []
-        for r in range(plan.num_rounds):
-            fwd = _forward(plan, head, [r], [inputs[r]], [labels[r]], shard, training, seed, False,
+        for r in range(rounds.num_rounds):
+            fwd = _forward(rounds, head, [r], [inputs[r]], [labels[r]], shard, training, seed, False,
                            loss_scale, None if weights is None else [weights[r]])
             grads = fwd.tape.gradient(fwd.losses[0], [inputs[r]] + shard_vars)
             update = unscaled(grads[1:], loss_scale)
             apply_fc_update(update)
             applied.append(update)
-            input_grads.append(grads[0] / plan.num_rounds)
+            input_grads.append(grads[0] / rounds.num_rounds)
             forwards.append(fwd)
         terms = [t for fwd in forwards for t in fwd.terms]
     else:
-        fwd = _forward(plan, head, range(plan.num_rounds), inputs, labels, shard, training, seed, True,
+        fwd = _forward(rounds, head, range(rounds.num_rounds), inputs, labels, shard, training, seed, True,
                        loss_scale, weights)
         grads = _deferred_backward(fwd, shard_vars)
-        input_grads = [g / plan.num_rounds for g in grads[:plan.num_rounds]]
-        averaged = unscaled([g / plan.num_rounds for g in grads[plan.num_rounds:]], loss_scale)
+        input_grads = [g / rounds.num_rounds for g in grads[:rounds.num_rounds]]
+        averaged = unscaled([g / rounds.num_rounds for g in grads[rounds.num_rounds:]], loss_scale)
         apply_fc_update(averaged)
         applied = [averaged]
         terms = fwd.terms

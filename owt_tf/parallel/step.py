@@ -13,20 +13,63 @@ optimizers apply the updates, and which loss the head computes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import keras
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
+
+from owt_tf.planner import ledger
 from owt_tf.planner.plan import StepRounds
 from owt_tf.parallel.schemes import RoundsResult, run_fc_rounds, unscaled
-from owt_tf.parallel.head.shards import ShardedHead
+from owt_tf.parallel.head.forward import forward
+from owt_tf.parallel.head.loss import loss_terms
+from owt_tf.parallel.head.layout import ShardedHead
 
 # images -> (last conv activations, extra trunk loss or None). The extra loss (a Keras
 # trunk's regularization losses) is added to the trunk's objective once per model.
 TrunkForward = Callable[[tf.Tensor], Tuple[tf.Tensor, Optional[tf.Tensor]]]
 ApplyTrunk = Callable[[List[tf.Tensor]], None]
 ApplyFc = Callable[[int, List[tf.Tensor]], None]
+
+
+class TrunkRunner:
+    """The trunk's forward pass as a TrunkForward, in training or inference mode; with
+    `jit`, an XLA-compiled function per replica and mode, made once and kept here (with the
+    model that owns this runner, not in a cache of the strategy's).
+
+    Only this pure compute block is compiled: jit_compile on the whole step or replica
+    function fails ("Trying to access resource ... located in device CPU:1 from device
+    CPU:0": MirroredStrategy wraps one XLA cluster around all replicas unless every device
+    is a GPU; CollectiveGatherV2 has no XLA kernel, keras-team/keras#18110). One function
+    per replica, so that each captures its own replica's variables.
+    """
+
+    def __init__(self, trunk: keras.Model, jit: bool = False):
+        self.trunk = trunk
+        self.jit = jit
+        self._compiled: Dict[Tuple[bool, int], Callable] = {}
+
+    def forward(self, training: bool) -> TrunkForward:
+        trunk = self.trunk
+
+        def run(images):
+            return trunk(images, training=training)
+
+        compiled = run
+        if self.jit:
+            key = (training, coll.replica_id())
+            if key not in self._compiled:
+                self._compiled[key] = tf.function(run, jit_compile=True)
+            compiled = self._compiled[key]
+
+        def with_regularization(images):
+            activations = compiled(images)
+            losses = trunk.losses if training else []
+            return activations, (tf.add_n(losses) if losses else None)
+
+        return with_regularization
 
 
 @dataclasses.dataclass
@@ -38,12 +81,12 @@ class ReplicaStep:
     trunk_loss: Optional[tf.Tensor]  # the trunk's extra loss (regularization), if any
 
 
-def shard_index(plan: StepRounds) -> int:
+def shard_index(rounds: StepRounds) -> int:
     """Which FC shard this replica holds: its replica id (model parallel) or the one copy."""
-    return coll.replica_id() if plan.model_parallel else 0
+    return coll.replica_id() if rounds.model_parallel else 0
 
 
-def replica_train_step(plan: StepRounds, head: ShardedHead, trunk_forward: TrunkForward,
+def replica_train_step(rounds: StepRounds, head: ShardedHead, trunk_forward: TrunkForward,
                        trunk_variables: Sequence[tf.Variable], images: tf.Tensor,
                        labels: tf.Tensor, seed: Optional[tf.Tensor], apply_trunk: ApplyTrunk,
                        apply_fc: ApplyFc, loss_scale: Optional[tf.Tensor] = None,
@@ -52,13 +95,13 @@ def replica_train_step(plan: StepRounds, head: ShardedHead, trunk_forward: Trunk
     (fp16), gradients are taken of the loss times it and unscaled before they are applied.
     `row_weights` (per round, schemes.round_weights): each example's loss is multiplied by
     its row's weight."""
-    shard = shard_index(plan)
+    shard = shard_index(rounds)
     with tf.GradientTape() as trunk_tape:
         activations, trunk_loss = trunk_forward(images)
         activations = tf.cast(activations, head.compute_dtype)  # what the exchange sends
-    rounds = run_fc_rounds(plan, head, activations, labels, shard, True, seed,
+    result = run_fc_rounds(rounds, head, activations, labels, shard, True, seed,
                            lambda grads: apply_fc(shard, grads), loss_scale, row_weights)
-    targets, output_grads = [activations], [rounds.activation_grad]
+    targets, output_grads = [activations], [result.activation_grad]
     if trunk_loss is not None:
         # Every replica adds its copy and the trunk optimizer sums the K gradients: each
         # contributes 1/K. The 1/K goes into the output gradient: a target computed after the
@@ -66,12 +109,12 @@ def replica_train_step(plan: StepRounds, head: ShardedHead, trunk_forward: Trunk
         # zero -- the regularization dropped from every update.
         scale = 1.0 if loss_scale is None else tf.cast(loss_scale, trunk_loss.dtype)
         targets.append(trunk_loss)
-        output_grads.append(tf.ones_like(trunk_loss) * scale / plan.num_replicas)
+        output_grads.append(tf.ones_like(trunk_loss) * scale / rounds.num_replicas)
     grads = trunk_tape.gradient(targets, list(trunk_variables), output_gradients=output_grads)
     grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trunk_variables)]
     grads = unscaled(grads, loss_scale)
     apply_trunk(grads)
-    return ReplicaStep(rounds, grads, trunk_loss)
+    return ReplicaStep(result, grads, trunk_loss)
 
 
 def replica_logit_shard(model_parallel: bool, head: ShardedHead, trunk_forward: TrunkForward,
@@ -81,8 +124,8 @@ def replica_logit_shard(model_parallel: bool, head: ShardedHead, trunk_forward: 
     shard = coll.replica_id() if model_parallel else 0
     activations, _ = trunk_forward(images)
     activations = tf.cast(activations, head.compute_dtype)
-    rows = coll.all_gather(activations, 0, coll.ACTIVATIONS) if model_parallel else activations
-    return head.forward(rows, shard, False, None)
+    rows = coll.all_gather(activations, 0, ledger.ACTIVATIONS) if model_parallel else activations
+    return forward(head, rows, shard, False, None)
 
 
 def replica_logits(model_parallel: bool, head: ShardedHead, trunk_forward: TrunkForward,
@@ -94,5 +137,18 @@ def replica_logits(model_parallel: bool, head: ShardedHead, trunk_forward: Trunk
 
 def whole_logits(head: ShardedHead, logit_shard: tf.Tensor) -> tf.Tensor:
     """Every shard's logits of these rows, all-gathered: [rows, classes], float32."""
-    logits = coll.all_gather(logit_shard, 1, coll.LOGITS) if head.num_shards > 1 else logit_shard
+    logits = coll.all_gather(logit_shard, 1, ledger.LOGITS) if head.num_shards > 1 else logit_shard
     return tf.cast(logits[:, : head.spec.num_classes], tf.float32)
+
+
+def replica_eval_terms(head: ShardedHead, logit_shard: tf.Tensor, labels: tf.Tensor,
+                       valid: tf.Tensor) -> Tuple[tf.Tensor, object]:
+    """The evaluation loss of rows every replica holds (the gathered batch): each row's
+    loss as the head computes it (gathered or on the shards), zero where `valid` (bool
+    [rows]) is False (padding rows of the last batch), and the outputs the metrics read
+    (whole rows, or each shard's top candidates). The CLI's evaluation and Keras'
+    `evaluate` both call this: one evaluation loss."""
+    safe = tf.where(valid, labels, tf.zeros_like(labels)) if labels.shape.rank == 1 else labels
+    per_example, _, out = loss_terms(head, logit_shard, safe, coll.replica_id())
+    per_example = tf.cast(per_example, tf.float32)
+    return tf.where(valid, per_example, 0.0), out

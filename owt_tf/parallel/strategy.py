@@ -1,24 +1,22 @@
 """HybridStrategy: conv trunk data-parallel under MirroredStrategy, FC layers model-parallel.
 
-The public front of owt_tf's distribution: it holds where the run executes (`placement`:
-devices, cluster, the wrapped MirroredStrategy, own rows, shard placement), the parallel
-plan (`parallel_plan`: scheme, FC batch and exchange, loss, precision, XLA), and, once the
-plan is concrete, the CLI's steps (`engine`). What tf.distribute has no notion of -- FC
-layers whose shards live one per device, activations moved between replicas by a scheme,
-the byte ledger -- lives in those parts (owt_tf.parallel.head.shards, .schemes, .step).
+The public front of owt_tf's distribution: a thin front over a ParallelPlan. It holds where
+the run executes (`placement`: devices, cluster, the wrapped MirroredStrategy, own rows,
+shard placement) and the plan (`parallel_plan`: scheme, FC batch and exchange, loss,
+precision, XLA, sample rate). What tf.distribute has no notion of -- FC layers whose shards
+live one per device, activations moved between replicas by a scheme -- lives in
+owt_tf.parallel.head, .schemes and .step; the CLI's steps are owt_tf.training.driver.
 
-Usage (the CLI's loop; Keras users call owt_tf.parallelize inside `scope()`):
-
-    hybrid = HybridStrategy(devices, "owt-b", batch_size=128, fc_batch="worker")
-    model = hybrid.placement.build_model(hybrid.parallel_plan, spec, seed)
-    optim = owt_tf.training.optim.build_optimizer(hybrid, model, conv_lr, fc_lr, momentum,
-                                                  weight_decay)
-    metrics = hybrid.engine.train_step(model, optim, dist_images, dist_labels, dropout_seed)
+    hybrid = HybridStrategy(4, ParallelPlan("owt-b", fc_batch="worker"))
+    hybrid = HybridStrategy(4, "owt-b", fc_batch="worker")          # the same, as keywords
+    with hybrid.scope():
+        model = owt_tf.parallelize(keras_model)
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence, Union
+import dataclasses
+from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -26,7 +24,6 @@ from owt_tf.cluster import Cluster, resolve_cluster
 from owt_tf.models.cost import NetworkCost
 from owt_tf.planner.auto import AutoChoice, resolve_auto
 from owt_tf.planner.cost_model import OWT_SCHEMES
-from owt_tf.training.driver import Engine
 from owt_tf.parallel.placement import DistributedModel, Placement  # noqa: F401 (public)
 from owt_tf.planner.plan import (AUTO, ParallelPlan, PlanError, StepRounds,
                                   check_auto_processes)
@@ -68,18 +65,27 @@ class HybridStrategy:
     heads"). Evaluation and prediction always use every class.
     """
 
-    def __init__(self, devices: Union[int, Sequence[str]] = 2, scheme: str = "owt-b",
-                 batch_size: Optional[int] = None, fc_batch: str = "global",
-                 fc_exchange: str = "gather", loss: str = "gathered", jit: bool = False,
-                 cluster: Optional[Cluster] = None, precision: str = "fp32",
-                 sample_rate: float = 1.0):
-        auto = str(scheme) == AUTO
+    def __init__(self, devices: Union[int, Sequence[str]] = 2,
+                 plan: Union[ParallelPlan, str, None] = None, *,
+                 batch_size: Optional[int] = None, cluster: Optional[Cluster] = None,
+                 **plan_fields):
+        if isinstance(plan, ParallelPlan):
+            if plan_fields:
+                raise TypeError("HybridStrategy takes a ParallelPlan or its fields as keywords, "
+                                f"not both (got {', '.join(plan_fields)})")
+            plan_fields = dataclasses.asdict(plan)
+        elif plan is not None:  # a scheme's name, the sugar HybridStrategy(4, "owt-b", ...)
+            if "scheme" in plan_fields:
+                raise TypeError("HybridStrategy: the scheme given twice")
+            plan_fields = {**plan_fields, "scheme": str(plan)}
+        plan_fields.setdefault("scheme", "owt-b")
+        scheme = str(plan_fields["scheme"])
+        auto = scheme == AUTO
         if cluster is None:
             cluster = resolve_cluster()  # TF_CONFIG; None in a one-process run
         check_auto_processes(scheme, cluster.num_workers if cluster is not None else 1)
         # Until choose_scheme: owt-b's plan checks the flags auto keeps (fc_batch, jit).
-        requested = ParallelPlan("owt-b" if auto else scheme, fc_batch, fc_exchange, loss, jit,
-                                 precision, sample_rate)
+        requested = ParallelPlan(**{**plan_fields, "scheme": "owt-b" if auto else scheme})
         if isinstance(devices, int):
             requested.check_devices(devices)
             from owt_tf.devices import setup_devices
@@ -90,7 +96,6 @@ class HybridStrategy:
         self.auto_choice: Optional[AutoChoice] = None
         self._requested = requested
         self.parallel_plan: Optional[ParallelPlan] = None
-        self.engine: Optional[Engine] = None
         if auto:
             requested.check_devices(self.num_replicas)
             if batch_size is not None:
@@ -99,26 +104,39 @@ class HybridStrategy:
             self._settle(requested)
 
     def _settle(self, plan: ParallelPlan) -> None:
-        """The plan is concrete from here on: checked against K and the batch, and the
-        engine built for it."""
+        """The plan is concrete from here on: checked against K and the batch."""
         plan.check_devices(self.num_replicas)
-        rounds = None
         if self._batch_size is not None:
-            rounds = plan.rounds(self.num_replicas, self._batch_size)
+            plan.rounds(self.num_replicas, self._batch_size)
         self.parallel_plan = plan
-        self.engine = Engine(self.placement, plan, rounds)
 
-    def choose_scheme(self, net: Optional[NetworkCost], hidden: Sequence[int] = (),
-                      schemes: Sequence[str] = OWT_SCHEMES, note: str = "") -> AutoChoice:
-        """Resolves `scheme="auto"` for a model of cost `net` (None: one the cost model
-        cannot count, `note` says why; `hidden`: its hidden FC widths) on this process's
-        hardware (owt_tf.planner.auto.resolve_auto). Sets the plan and returns the choice."""
+    @property
+    def batch_size(self) -> Optional[int]:
+        """Rows per replica when fixed up front (the CLI's loop), else None (Keras' fit)."""
+        return self._batch_size
+
+    def choose_scheme(self, count_cost: Callable[[], NetworkCost], hidden: Sequence[int] = (),
+                      model_name: str = "the model",
+                      schemes: Sequence[str] = OWT_SCHEMES) -> AutoChoice:
+        """Resolves `scheme="auto"` for a model whose cost `count_cost()` counts (a model the
+        cost model cannot count, Uncountable, gets the planner's fallback with the reason;
+        `hidden`: its hidden FC widths) on this process's hardware
+        (owt_tf.planner.auto.resolve_auto). Sets the plan, prints one line saying what was
+        chosen and why, and returns the choice. The CLI's Trainer and `parallelize` both
+        call this: one automatic choice."""
+        from owt_tf.models.cost import Uncountable
+
         if self.parallel_plan is not None:
             raise PlanError("scheme", f"already {self.scheme}: choose_scheme resolves 'auto' once")
+        try:
+            net, note = count_cost(), ""
+        except Uncountable as err:
+            net, note = None, f"the cost model cannot count model {model_name}: {err}"
         plan, choice = resolve_auto(self._requested, net, self.placement.local_devices,
                                     self.num_replicas, self._batch_size, hidden, schemes, note)
         self._settle(plan)
         self.auto_choice = choice
+        print(choice.line, flush=True)
         return choice
 
     @contextlib.contextmanager

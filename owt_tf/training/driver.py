@@ -1,38 +1,40 @@
-"""What one replica does in a step of the CLI's loop -- train, evaluate, predict -- and the
-ledger of the bytes a traced step moves. The replica's work itself (trunk forward, the FC
-rounds, trunk backward, updates) is owt_tf.parallel.step, shared with Keras' `fit`; this
-runs it on every replica (`placement.run`) and merges what the replicas return.
+"""The CLI's step driver: runs the replica step (owt_tf.parallel.step, shared with Keras'
+`fit`) on every replica of a HybridStrategy -- train, evaluate, predict -- merges what the
+replicas return, and keeps the ledger of the bytes a traced step moves.
 
-    engine = hybrid.engine
-    metrics = engine.train_step(model, optim, dist_images, dist_labels, dropout_seed)
+    driver = StepDriver(hybrid)          # hybrid built with the run's batch_size
+    metrics = driver.train_step(model, optim, dist_images, dist_labels, dropout_seed)
 """
 from __future__ import annotations
 
 import functools
 from typing import Dict, List, Optional
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
+
+from owt_tf.planner import ledger
 from owt_tf.parallel.placement import DistributedModel, Placement
 from owt_tf.planner.plan import ParallelPlan, StepRounds
-from owt_tf.parallel.head.shards import assemble
-from owt_tf.parallel.step import replica_logits, replica_train_step
+from owt_tf.parallel.head.layout import assemble
+from owt_tf.parallel.step import (replica_eval_terms, replica_logit_shard, replica_logits,
+                                  replica_train_step, whole_logits)
+from owt_tf.parallel.strategy import HybridStrategy
 
 
-class Engine:
-    """The CLI's steps for a concrete `plan` on `placement`; `rounds`: a step's rounds at
-    the run's fixed batch size (None: not known up front, as under Keras' `fit`, which
-    plans each batch shape with step.replica_train_step itself)."""
+class StepDriver:
+    """The CLI's steps for `hybrid`'s concrete plan at its fixed batch size (the CLI knows
+    it up front; Keras' `fit` plans each batch shape itself)."""
 
-    def __init__(self, placement: Placement, plan: ParallelPlan, rounds: Optional[StepRounds]):
-        self.placement = placement
-        self.plan = plan
-        self.rounds = rounds
-        self._compiled_trunks: Dict[tuple, tf.types.experimental.GenericFunction] = {}
-        self.ledger = coll.TrafficLedger()
+    def __init__(self, hybrid: HybridStrategy):
+        if hybrid.batch_size is None:
+            raise ValueError("the CLI's steps need HybridStrategy(batch_size=...)")
+        self.placement: Placement = hybrid.placement
+        self.plan: ParallelPlan = hybrid.parallel_plan
+        self.rounds: StepRounds = hybrid.step_rounds(hybrid.batch_size)
+        self.ledger = ledger.TrafficLedger()
 
     def train_step(self, model: DistributedModel, optim, images, labels,
                    seed: Optional[tf.Tensor] = None, with_grads: bool = False,
@@ -43,8 +45,8 @@ class Engine:
         factor gradients are taken at (owt_tf.parallel.precision.DynamicLossScale). Traffic
         is counted into `self.ledger` while the step is traced.
         """
-        self.ledger = coll.TrafficLedger()
-        with coll.recording(self.ledger):
+        self.ledger = ledger.TrafficLedger()
+        with ledger.recording(self.ledger):
             step = functools.partial(self._replica_train_step, model, optim, seed=seed,
                                      with_grads=with_grads, loss_scale=loss_scale)
             out = self.placement.run(step, images, labels)
@@ -101,38 +103,10 @@ class Engine:
         local = self.placement.strategy.experimental_local_results(out)
         return local[0] if self.plan.model_parallel else tf.concat(list(local), axis=0)
 
-    def trunk_forward(self, trunk: keras.Model, training: bool):
-        """The trunk's forward pass as a step.TrunkForward; with jit, an XLA-compiled function
-        per replica.
-
-        Only this pure compute block is compiled: jit_compile on the whole step or replica
-        function fails ("Trying to access resource ... located in device CPU:1 from device
-        CPU:0": MirroredStrategy wraps one XLA cluster around all replicas unless every device
-        is a GPU; CollectiveGatherV2 has no XLA kernel, keras-team/keras#18110). One function
-        per replica, so that each captures its own replica's variables.
-        """
-        def forward(images):
-            return trunk(images, training=training)
-
-        compiled = forward
-        if self.plan.jit:
-            key = (id(trunk), training, coll.replica_id())
-            if key not in self._compiled_trunks:
-                self._compiled_trunks[key] = tf.function(forward, jit_compile=True)
-            compiled = self._compiled_trunks[key]
-
-        def with_regularization(images):
-            activations = compiled(images)
-            losses = trunk.losses if training else []
-            return activations, (tf.add_n(losses) if losses else None)
-
-        return with_regularization
-
     def _replica_train_step(self, model, optim, images, labels, seed, with_grads, loss_scale):
-        plan = self.rounds
         trunk_vars = model.trunk.trainable_variables
 
-        step = replica_train_step(plan, model.head, self.trunk_forward(model.trunk, True),
+        step = replica_train_step(self.rounds, model.head, model.trunk_runner.forward(True),
                                   trunk_vars, images, labels, seed, optim.trunk.apply,
                                   optim.fc.apply, loss_scale)
         rounds, trunk_grads = step.rounds, step.trunk_grads
@@ -149,19 +123,21 @@ class Engine:
 
     def _replica_logits(self, model, images):
         return replica_logits(self.plan.model_parallel, model.head,
-                              self.trunk_forward(model.trunk, False), images)
+                              model.trunk_runner.forward(False), images)
 
     def _replica_eval_step(self, model, images, labels):
-        logits = self._replica_logits(model, images)
+        logit_shard = replica_logit_shard(self.plan.model_parallel, model.head,
+                                          model.trunk_runner.forward(False), images)
         if self.plan.model_parallel:
             labels = coll.gather_labels(labels)
         head = model.head
         valid = labels >= 0
+        per_example, _ = replica_eval_terms(head, logit_shard, labels, valid)
+        logits = whole_logits(head, logit_shard)
         safe = tf.maximum(labels, 0)
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=logits)
         top1 = tf.math.in_top_k(safe, logits, 1) & valid
         top5 = tf.math.in_top_k(safe, logits, min(5, head.spec.num_classes)) & valid
-        return {"loss_sum": tf.reduce_sum(tf.where(valid, ce, 0.0)),
+        return {"loss_sum": tf.reduce_sum(per_example),
                 "correct": tf.reduce_sum(tf.cast(top1, tf.int32)),
                 "correct_top5": tf.reduce_sum(tf.cast(top5, tf.int32)),
                 "count": tf.reduce_sum(tf.cast(valid, tf.int32))}

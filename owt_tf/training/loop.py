@@ -1,17 +1,15 @@
 """The custom training loop: builds a run from a RunConfig and drives it step by step.
 
-The step is one tf.function around the engine's train_step (the distribution lives in
+The step is one tf.function around the step driver's train_step (the distribution lives in
 owt_tf.parallel); this module owns the order of things: assembly of the run, data, steps,
 validation, checkpoints, export and the final summary. What becomes of a step once it ran
 (undo, loss-scale overflow, agreement across workers) is owt_tf.training.step_policy.
 
-Why one module over 450 lines: the order of a run (build, resume, step, validate, save,
-export, report) is one story that reads best in one place; each of its parts is a call
-into a module of its own.
+Its parts are modules of their own: the model's spec (assembly), this process's rows of
+the input (input), the step driver (driver), what a run reports (report).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -21,55 +19,26 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.config import ConfigError, RunConfig, new_run_dir
-from owt_tf.data.datasets import DatasetError, StreamDataset, load_dataset
+from owt_tf.data.datasets import load_dataset
 from owt_tf.data.stats import settle_normalisation
 from owt_tf.devices import DeviceError, setup_devices
-from owt_tf.models import build_model
 from owt_tf.planner.plan import AUTO, PlanError
 from owt_tf.parallel.precision import DynamicLossScale
 from owt_tf.parallel.strategy import HybridStrategy
-from owt_tf.training.checkpoint import CONFIG_FILE, RunCheckpoints
+from owt_tf.training.driver import StepDriver
+from owt_tf.training.files.checkpoint import CONFIG_FILE, RunCheckpoints
 from owt_tf.training.optim import build_optimizer
-from owt_tf.training.rundir import RunDirLock, RunDirUnusable, check_writable
-from owt_tf.training.serving import export_saved_model
+from owt_tf.training.files.rundir import RunDirLock, RunDirUnusable, check_writable
+from owt_tf.training.files.serving import export_saved_model
 from owt_tf.training.schedule import lr_factor
 from owt_tf.training.guard import (Interrupted, SignalStop, StepSnapshot, WorkerLost,
                                    is_peer_failure)
+from owt_tf.training.assembly import model_spec
+from owt_tf.training.input import failed_decodes, own_input, stream_end
 from owt_tf.training.progress import ProgressLines
+from owt_tf.training.report import EvalMetrics, StepMetrics, done_line, run_summary
 from owt_tf.training.step_policy import StepPolicy
-from owt_tf.training.summaries import RunSummaries
-
-
-@dataclasses.dataclass
-class StepMetrics:
-    loss: float
-    top1_error: float
-    images_per_sec: float
-    bytes_per_step: float
-    grads: Optional[Dict[str, np.ndarray]] = None
-    nonfinite: Optional[str] = None  # what was not finite, when this step was undone
-    overflowed: bool = False  # fp16: the scaled gradients overflowed; undone, the scale halved
-    stop: bool = False  # a stop was requested (by any worker of a cluster) by this step's end
-
-
-@dataclasses.dataclass
-class EvalMetrics:
-    loss: float
-    top1_error: float
-    top5_error: float
-    examples: int
-
-
-def _model_spec(config: RunConfig, num_classes: Optional[int]):
-    """--model's spec: a registry model, or the user's Keras model (refusals as flag errors)."""
-    from owt_tf.models.split import UnsupportedModel
-    from owt_tf.models.user import UserModelError
-
-    try:
-        return build_model(config.model.model, num_classes, config.model.dropout,
-                           seed=config.run.seed)
-    except (UnsupportedModel, UserModelError) as err:
-        raise ConfigError("--model", str(err)) from None
+from owt_tf.training.files.summaries import RunSummaries
 
 
 class Trainer:
@@ -115,13 +84,11 @@ class Trainer:
         # First: a cluster's strategy configures collectives, which must precede any op.
         # Under --scheme auto the plan is chosen below, once the model is known.
         try:
-            self.hybrid = HybridStrategy(self.devices, p.scheme, p.batch_size, p.fc_batch,
-                                         p.fc_exchange, p.loss, jit=p.jit,
-                                         cluster=config.cluster.resolved, precision=p.precision,
-                                         sample_rate=p.sample_rate)
+            self.hybrid = HybridStrategy(self.devices, batch_size=p.batch_size,
+                                         cluster=config.cluster.resolved, **p.plan_fields())
         except PlanError as err:
             raise ConfigError("--" + err.field.replace("_", "-"), err.message) from None
-        probe = _model_spec(config, None)
+        probe = model_spec(config, None)
         data = config.data
         self.dataset = load_dataset(data.dataset, probe.input_shape, data.classes,
                                     seed=config.run.seed,
@@ -130,7 +97,7 @@ class Trainer:
         self.input_stats = settle_normalisation(
             self.dataset, self.logdir, writer=self.rundir is not None,
             started_before=os.path.exists(os.path.join(self.logdir, CONFIG_FILE)))
-        self.spec = _model_spec(config, self.dataset.num_classes)
+        self.spec = model_spec(config, self.dataset.num_classes)
         if self.hybrid.scheme == AUTO:
             self.config = config = self._choose_scheme(config)
         try:
@@ -140,6 +107,7 @@ class Trainer:
             raise ConfigError("--devices", f"model {config.model.model}: "
                               f"{str(err).split(': ', 1)[1]}") from None
         self.model = self.hybrid.placement.build_model(self.hybrid.parallel_plan, self.spec, config.run.seed)
+        self.driver = StepDriver(self.hybrid)
         self.optimizer = build_optimizer(self.hybrid, self.model, config.conv_lr, config.fc_lr,
                                          config.optimizer.momentum, config.optimizer.weight_decay)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
@@ -177,13 +145,13 @@ class Trainer:
         self.decoded_images, self.batch_images = 0, 0
         self._train_fn = tf.function(self._train_step)
         self._eval_fn = tf.function(self._eval_step)
-        self._predict_fn = tf.function(lambda images: self.hybrid.engine.predict_step(self.model, images))
+        self._predict_fn = tf.function(lambda images: self.driver.predict_step(self.model, images))
         # fp16 undoes every step whose scaled gradients overflowed, as does --skip-nonfinite.
         snapshot = (StepSnapshot(self._state_variables(), strategy)
                     if config.run.skip_nonfinite or self.loss_scale is not None else None)
         self.policy = StepPolicy(self.hybrid.placement, snapshot, self.loss_scale,
                                  self.skipped_steps, config.run.skip_nonfinite,
-                                 self.hybrid.engine.finite_check_names(self.model),
+                                 self.driver.finite_check_names(self.model),
                                  lambda: self.checkpoints.latest)
 
     def _train_input(self, start: int):
@@ -200,26 +168,17 @@ class Trainer:
                                lambda: self.dataset.validation(batch))
 
     def _own_input(self, stream_rows, whole_batches):
-        """Per-replica batches of this process's rows: a streamed dataset reads and decodes
-        only those rows (`stream_rows(own_rows)`); one in memory is sliced from its global
-        batches (`whole_batches()`)."""
-        placement, rows = self.hybrid.placement, self.config.parallel.batch_size
-        if isinstance(self.dataset, StreamDataset):
-            return placement.distribute_own_rows(stream_rows(placement.own_rows(rows)), rows)
-        return placement.distribute_batches(whole_batches(), rows)
+        return own_input(self.hybrid.placement, self.dataset, self.config.parallel.batch_size,
+                         stream_rows, whole_batches)
 
     def _choose_scheme(self, config: RunConfig) -> RunConfig:
-        """--scheme auto: the planner's choice for this model, K, batch and hardware (one
-        line says what and why); the config from here on, run_config.json included, names
-        the scheme chosen, so that a resumed or evaluated run sees a concrete one."""
-        from owt_tf.models.cost import Uncountable, spec_cost
+        """--scheme auto: the planner's choice for this model, K, batch and hardware; the
+        config from here on, run_config.json included, names the scheme chosen, so that a
+        resumed or evaluated run sees a concrete one."""
+        from owt_tf.models.cost import spec_cost
 
-        try:
-            net, note = spec_cost(self.spec), ""
-        except Uncountable as err:
-            net, note = None, f"the cost model cannot count model {config.model.model}: {err}"
-        choice = self.hybrid.choose_scheme(net, self.spec.head.hidden, note=note)
-        print(choice.line, flush=True)
+        choice = self.hybrid.choose_scheme(lambda: spec_cost(self.spec), self.spec.head.hidden,
+                                           config.model.model)
         return config.replace(scheme=choice.scheme, fc_exchange=choice.fc_exchange,
                               loss=choice.loss,
                               fc_batch=self.hybrid.parallel_plan.fc_batch).validate()
@@ -235,14 +194,14 @@ class Trainer:
     # -- compiled bodies ------------------------------------------------------------------
     def _train_step(self, images, labels, with_grads=False):
         seed = tf.stack([tf.constant(self.config.run.seed, tf.int64), self.step])
-        out = self.hybrid.engine.train_step(self.model, self.optimizer, images, labels,
+        out = self.driver.train_step(self.model, self.optimizer, images, labels,
                                      tf.cast(seed, tf.int32), with_grads=with_grads,
                                      loss_scale=None if self.loss_scale is None else self.loss_scale.scale)
         self.step.assign_add(1)
         return out
 
     def _eval_step(self, images, labels):
-        return self.hybrid.engine.eval_step(self.model, images, labels)
+        return self.driver.eval_step(self.model, images, labels)
 
     # -- public ---------------------------------------------------------------------------
     def train_step(self, with_grads: bool = False) -> StepMetrics:
@@ -259,31 +218,23 @@ class Trainer:
         count = int(out["count"])
         loss = float(out["loss_sum"]) / count
         seconds = time.perf_counter() - start
-        grads = self.hybrid.engine.assemble_grads(self.model, out) if with_grads else None
+        grads = self.driver.assemble_grads(self.model, out) if with_grads else None
         return StepMetrics(loss, 1.0 - int(out["correct"]) / count,
                            self.config.global_batch_size / seconds,
-                           float(self.hybrid.engine.ledger.total), grads, outcome.nonfinite,
+                           float(self.driver.ledger.total), grads, outcome.nonfinite,
                            outcome.overflowed, outcome.stop)
 
     def _count_decodes(self, failed) -> int:
         """Adds this process's rows' decodes to `decoded_images`; returns how many of its rows'
-        own images were unreadable. Stops before the step when a row has no image (no record
-        of the global batch decodes): every worker's rows see the same batch, so every
-        worker stops here, before any collective."""
-        failed = np.concatenate([np.asarray(f) for f in
-                                 self.hybrid.strategy.experimental_local_results(failed)])
+        own images were unreadable."""
         batch = self.config.global_batch_size
-        if (failed >= batch).any():
-            raise DatasetError(f"step {int(self.step) + 1}: none of the {batch} training images "
-                               f"of the global batch could be decoded")
+        failed = failed_decodes(self.hybrid.placement, failed, batch, int(self.step) + 1)
         self.decoded_images += int(np.sum(failed + 1))
         self.batch_images += batch
         return int(np.count_nonzero(failed))
 
     def _stream_end(self, positions) -> int:
-        """The stream position after this process's rows of the batch."""
-        local = self.hybrid.strategy.experimental_local_results(positions)
-        return max(int(np.max(p)) for p in local) + 1
+        return stream_end(self.hybrid.placement, positions)
 
     def _advance_data_position(self, after: int, unreadable: int) -> None:
         """Moves the saved stream position past this batch (positions have no gaps: an
@@ -371,11 +322,7 @@ class Trainer:
                 summaries.close()
                 self.checkpoints.close()
                 self._release_rundir()
-        steady = [m.images_per_sec for m in history[1:]] or [history[0].images_per_sec]
-        summary = {"steps": steps, "train_loss": history[-1].loss, "val_loss": ev.loss,
-                   "val_top1_error": ev.top1_error, "val_top5_error": ev.top5_error,
-                   "images_per_sec": float(np.median(steady)), "wall_s": wall,
-                   "bytes_per_step": history[-1].bytes_per_step, "val_history": val_history}
+        summary = run_summary(history, ev, steps, wall, val_history)
         skipped = int(self.skipped_images)
         if skipped or int(self.skipped_steps):
             log(f"skipped {skipped} unreadable training images and {int(self.skipped_steps)} "
@@ -387,14 +334,8 @@ class Trainer:
             log(f"input: this worker decoded {self.decoded_images} of the {self.batch_images} "
                 f"training images of its steps (rows {first_row}-{first_row + rows - 1} of each "
                 f"global batch of {config.global_batch_size})")
-        ran = steps - first + 1
-        done = (f"{steps} steps" if first == 1 else
-                f"steps {first}-{steps} ({ran} this run, {steps} in all)")
-        log(f"done: {done} in {wall:.1f}s | {config.parallel.scheme} on "
-            f"{self.hybrid.num_replicas} devices{workers} | val top-1 error {ev.top1_error:.2%} "
-            f"top-5 {ev.top5_error:.2%} loss {ev.loss:.4f} | "
-            f"{summary['images_per_sec']:.0f} img/s | "
-            f"{summary['bytes_per_step'] / 1e6:.3f} MB/step/replica | checkpoint {saved}")
+        log(done_line(summary, first, config.parallel.scheme, self.hybrid.num_replicas, workers,
+                      saved))
         return summary
 
     def _release_rundir(self) -> None:

@@ -24,6 +24,8 @@ import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
 
+from owt_tf.planner import ledger
+
 
 class MirroredSGD:
     """Keras SGD over mirrored variables; counts the gradient all-reduce it issues."""
@@ -46,7 +48,7 @@ class MirroredSGD:
         k = coll.num_replicas()
         decayed = [g + (self.weight_decay / k) * v for g, v in zip(grads, self.variables)]
         coll.record(self.purpose, "all_reduce",
-                    sum(coll.all_reduce_cost(coll.tensor_bytes(g), k) for g in decayed))
+                    sum(ledger.all_reduce_cost(coll.tensor_bytes(g), k) for g in decayed))
         self.optimizer.apply_gradients(zip(decayed, self.variables))
 
     def state_variables(self) -> List[tf.Variable]:
@@ -128,10 +130,10 @@ def build_optimizer(hybrid, model, conv_lr: float, fc_lr: float, momentum: float
                     weight_decay: float) -> HybridOptimizer:
     """The optimizers of a HybridStrategy's DistributedModel."""
     trunk = MirroredSGD(hybrid.strategy, model.trunk.trainable_variables, conv_lr, momentum,
-                        weight_decay, coll.CONV_GRAD)
+                        weight_decay, ledger.CONV_GRAD)
     if hybrid.model_parallel:
         shards = {k: model.head.shard_variables(k) for k in model.head.local_shards}
         return HybridOptimizer(trunk, ShardSGD(shards, fc_lr, momentum, weight_decay))
     fc = MirroredFcSGD(hybrid.strategy, model.head.shard_variables(0), fc_lr, momentum,
-                       weight_decay, coll.FC_GRAD)
+                       weight_decay, ledger.FC_GRAD)
     return HybridOptimizer(trunk, fc)

@@ -1,26 +1,12 @@
-"""Large heads in the Keras path: what `compile` can compute on the FC shards without ever
-gathering the [rows, classes] logits, and the Keras metrics and `predict(top_k=)` served
-from per-shard top-k candidates.
-
-Loss: Keras' sparse and categorical cross-entropies are exact on the shards (the softmax
-normalizer and the label term are sums over classes: all-reduced; ShardedHead computes
-them) when they read logits: `from_logits=True` on a linear head, or `from_logits=False`
-after a softmax output (Keras then reads the softmax's own logits). `ShardedLoss` says
-which labels and what label smoothing.
-
-Metrics: each shard sends its top-k logits and their class ids ([rows, 2k] per shard
-instead of [rows, classes / K]); the union over shards holds the global top-k. Keras'
-accuracy metrics are then fed a small stand-in for the model's outputs with the same
-result: the candidates' scores, plus one column of the lowest score, and the labels
-remapped to their candidate's position (a label outside the candidates to that last
-column, which is never in a top k). `metric_top_k` says which metrics can be served so.
+"""The numerics of a loss and metrics computed on the FC shards: which cross-entropy
+(ShardedLoss), each shard's top candidates packed for one gather, and the best of them.
+What a Keras compile can compute so, and how Keras' metrics are fed: owt_tf.fit.metrics.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
-import keras
 import tensorflow as tf
 
 # Class ids travel as float32 next to the scores (one gather): exact below 2**24.
@@ -43,91 +29,6 @@ class TopCandidates(NamedTuple):
 
     scores: tf.Tensor
     ids: tf.Tensor
-
-
-def _cross_entropy(loss) -> Tuple[Optional[bool], dict]:
-    """(sparse?, config) of a Keras cross-entropy given as a string, function or object;
-    (None, {}) for another loss."""
-    if isinstance(loss, str):
-        try:
-            loss = keras.losses.get(loss)
-        except ValueError:
-            return None, {}
-    if loss is keras.losses.sparse_categorical_crossentropy:
-        return True, {}
-    if loss is keras.losses.categorical_crossentropy:
-        return False, {}
-    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
-        return True, loss.get_config()
-    if isinstance(loss, keras.losses.CategoricalCrossentropy):
-        return False, loss.get_config()
-    return None, {}
-
-
-def sharded_loss(loss, output_activation: Optional[str],
-                 num_classes: int) -> Tuple[Optional[ShardedLoss], str]:
-    """(the ShardedLoss that equals the compiled `loss` on this head, "") or (None, why not)."""
-    if num_classes < 2 or num_classes >= MAX_CLASSES:
-        return None, f"a head of {num_classes} classes"
-    sparse, config = _cross_entropy(loss)
-    if sparse is None:
-        name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(
-            loss, "__name__", type(loss).__name__)
-        return None, f"loss {name!r} is not a categorical cross-entropy"
-    from_logits = bool(config.get("from_logits", False))
-    activation = output_activation or "linear"
-    if from_logits != (activation == "linear") or activation not in ("linear", "softmax"):
-        return None, (f"a cross-entropy with from_logits={from_logits} on a {activation} "
-                      "output does not read the logits")
-    if config.get("ignore_class") is not None:
-        return None, "ignore_class is set"
-    if config.get("axis", -1) != -1:
-        return None, f"the loss's axis is {config['axis']}"
-    return ShardedLoss(sparse, float(config.get("label_smoothing", 0.0))), ""
-
-
-_ACCURACY_CLASSES = (keras.metrics.SparseCategoricalAccuracy, keras.metrics.CategoricalAccuracy)
-_TOP_K_CLASSES = (keras.metrics.SparseTopKCategoricalAccuracy,
-                  keras.metrics.TopKCategoricalAccuracy)
-_ACCURACY_FUNCTIONS = (keras.metrics.sparse_categorical_accuracy,
-                       keras.metrics.categorical_accuracy)
-_TOP_K_FUNCTIONS = (keras.metrics.sparse_top_k_categorical_accuracy,
-                    keras.metrics.top_k_categorical_accuracy)
-
-
-def _metric_k(metric) -> Tuple[Optional[int], str]:
-    """How many top candidates `metric` reads (1: accuracy), or (None, its name)."""
-    if isinstance(metric, str):
-        if metric.lower() in ("accuracy", "acc"):
-            return 1, ""  # Keras makes it (sparse) categorical accuracy on a multi-class head
-        try:
-            metric = keras.metrics.get(metric)
-        except ValueError:
-            return None, metric
-    if isinstance(metric, _ACCURACY_CLASSES) or any(metric is f for f in _ACCURACY_FUNCTIONS):
-        return 1, ""
-    if any(metric is f for f in _TOP_K_FUNCTIONS):
-        return 5, ""
-    if isinstance(metric, _TOP_K_CLASSES) and not metric._fn_kwargs.get("from_sorted_ids"):
-        return int(metric._fn_kwargs["k"]), ""
-    return None, getattr(metric, "name", None) or getattr(metric, "__name__", repr(metric))
-
-
-def metric_top_k(metrics, weighted_metrics=None) -> Tuple[Optional[int], str]:
-    """(k, "") when every compiled metric is an accuracy that top-k candidates serve (k: the
-    most any reads; 0 without metrics), else (None, the first other metric's name)."""
-    k = 0
-    for group in (metrics, weighted_metrics):
-        if group is None:
-            continue
-        if not isinstance(group, (list, tuple)):
-            return None, "metrics that are not a flat list"
-        for metric in group:
-            need, name = _metric_k(metric)
-            if need is None:
-                return None, f"metric {name}"
-            k = max(k, need)
-    return k, ""
 
 
 def shard_top_candidates(logits: tf.Tensor, first_class: int, num_classes: int,
@@ -159,46 +60,3 @@ def best_of(candidates: TopCandidates, k: int) -> TopCandidates:
     return TopCandidates(scores, tf.gather(candidates.ids, position, batch_dims=1))
 
 
-def join_rounds(outputs: Sequence) -> object:
-    """Every round's outputs (tensors, TopCandidates or None: no metric reads them) joined
-    along the rows."""
-    if len(outputs) == 1 or outputs[0] is None:
-        return outputs[0]
-    return tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *outputs)
-
-
-def map_rows(fn: Callable[[tf.Tensor], tf.Tensor], outputs) -> object:
-    """`fn` on every tensor of `outputs` (a tensor, TopCandidates or None)."""
-    return None if outputs is None else tf.nest.map_structure(fn, outputs)
-
-
-def metric_inputs(labels: tf.Tensor, outputs) -> Tuple[tf.Tensor, tf.Tensor]:
-    """(labels, y_pred) to feed Keras' compiled metrics: `outputs` themselves, or for
-    TopCandidates a stand-in [rows, n + 1] that gives every accuracy metric the result the
-    whole outputs row would (see the module docstring). None (no metric): passed on."""
-    if not isinstance(outputs, TopCandidates):
-        return labels, outputs
-    n = outputs.scores.shape[1]
-    scores = tf.concat([outputs.scores, tf.fill([tf.shape(outputs.scores)[0], 1], LOWEST)], 1)
-    sparse = labels.shape.rank == 1 or (labels.shape.rank == 2 and labels.shape[-1] == 1)
-    target = (tf.reshape(tf.cast(labels, tf.int32), [-1]) if sparse
-              else tf.argmax(labels, axis=-1, output_type=tf.int32))
-    match = tf.equal(outputs.ids, target[:, None])
-    position = tf.where(tf.reduce_any(match, axis=1),
-                        tf.argmax(tf.cast(match, tf.int32), axis=1, output_type=tf.int32), n)
-    if sparse:
-        return tf.reshape(tf.cast(position, labels.dtype), tf.shape(labels)), scores
-    return tf.one_hot(position, n + 1, dtype=labels.dtype), scores
-
-
-def loss_on_shards(loss, metrics, weighted_metrics, output_activation: Optional[str],
-                   num_classes: int) -> Tuple[Optional[ShardedLoss], int, str]:
-    """What a compile computes on the shards: (its ShardedLoss, the candidates per shard its
-    metrics read, "") when both the loss and every metric allow it, else (None, 0, why not)."""
-    on_shards, why = sharded_loss(loss, output_activation, num_classes)
-    if on_shards is None:
-        return None, 0, why
-    k, other = metric_top_k(metrics, weighted_metrics)
-    if k is None:
-        return None, 0, f"{other} needs each row's whole outputs"
-    return on_shards, k, ""

@@ -3,7 +3,7 @@ weights and optimizer slots are saved (whole tensors, one key scheme), for both 
 
 A sharded head is saved whole, never per shard: per-shard variables would not restore at
 another K ("Received incompatible tensor with shape (256, 16) ... (256, 32)"). The CLI's
-checkpoints (owt_tf.training.checkpoint.FcState) and Keras' weight files
+checkpoints (owt_tf.training.files.checkpoint.FcState) and Keras' weight files
 (ParallelModel.save_own_variables) both write `head_arrays` and read `restore_head`:
 
     fc{i}_kernel, fc{i}_bias                 layer i, whole and unpadded
@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Protocol, Sequence
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.parallel.head.shards import ShardedHead, ShardReader, read_local_shards
+from owt_tf.parallel.head.layout import ShardedHead, ShardReader, read_local_shards
 
 KIND_KEY = "fc_optimizer_kind"
 ITERATIONS_KEY = "fc_iterations"

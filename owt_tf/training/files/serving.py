@@ -21,9 +21,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.data.datasets import ArrayDataset, load_dataset
+from owt_tf.data.arrays import ArrayDataset
+from owt_tf.data.datasets import load_dataset
 from owt_tf.data.preprocess import eval_preprocess
-from owt_tf.parallel.head.shards import ShardedHead
+from owt_tf.parallel.head.forward import forward
+from owt_tf.parallel.head.layout import ShardedHead
 
 EXPORT_METADATA = "owt_tf_export.json"
 EXPORT_SIGNATURE = "serving_default"
@@ -89,7 +91,7 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
 
     def serve(images):
         x = eval_preprocess(images, (height, width), mean, std)
-        logits = head.forward(trunk(x, training=False), 0, False, None)[:, :classes]
+        logits = forward(head, trunk(x, training=False), None, False, None)
         probabilities = tf.nn.softmax(logits)
         top5 = tf.math.top_k(probabilities, k=min(5, classes)).indices
         return {"probabilities": probabilities, "top5": tf.cast(top5, tf.int64),

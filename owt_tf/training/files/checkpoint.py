@@ -38,7 +38,7 @@ from tensorflow.python.trackable import base as trackable  # _serialize_to_tenso
 
 from owt_tf.parallel.head import state as head_state
 from owt_tf.parallel.head.state import HeadStateMismatch
-from owt_tf.parallel.head.shards import ShardReader, read_local_shards
+from owt_tf.parallel.head.layout import ShardReader, read_local_shards
 
 CONFIG_FILE = "run_config.json"
 # run_config.json: the config's sections, and under this key what the checkpoints must match

@@ -12,9 +12,9 @@ import os
 from typing import Optional, Tuple
 
 from owt_tf.config import ClusterConfig, RunConfig
-from owt_tf.training.checkpoint import CONFIG_FILE
+from owt_tf.training.files.checkpoint import CONFIG_FILE
 from owt_tf.training.loop import Trainer
-from owt_tf.training.serving import ExportError, export_saved_model
+from owt_tf.training.files.serving import ExportError, export_saved_model
 
 
 def load_run(logdir: str) -> Trainer:

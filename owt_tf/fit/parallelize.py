@@ -1,0 +1,82 @@
+"""`owt_tf.parallelize(model)`: a user's Keras model split at its Dense head, the plan made
+concrete for it (scheme="auto" chosen here, where model and K are first both known), the
+trunk mirrored and the head placed as FC shards: a ParallelModel.
+"""
+from __future__ import annotations
+
+import gc
+import json
+from typing import Optional
+
+import keras
+import numpy as np
+
+from owt_tf.devices import outside_strategy_scope
+from owt_tf.fit import files as keras_files
+from owt_tf.fit.model import ParallelModel
+from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model
+from owt_tf.parallel.strategy import HybridStrategy, current_strategy
+from owt_tf.planner.plan import AUTO, PlanError
+
+
+def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
+                seed: Optional[int] = None) -> "ParallelModel":
+    """`model` split at its FC stack: trunk mirrored over the strategy's devices, Dense layers
+    sharded. The user's weights are kept. `strategy`: default, the HybridStrategy whose
+    `scope()` is open. `seed` seeds the head's dropout (default: drawn at random)."""
+    hybrid = strategy or current_strategy()
+    if hybrid is None:
+        raise ValueError("owt_tf.parallelize needs a HybridStrategy: call it inside "
+                         "`with strategy.scope():` or pass strategy=")
+    # Before the split: the rebuilt model and the split's clone each hold a copy of the head
+    # (GBs for a million classes), and only one at a time is alive.
+    source = _rebuildable_source(model)
+    # Outside the scope: the split works on a throwaway clone, which needs no mirrored copy.
+    split = outside_strategy_scope(lambda: split_keras_model(model, allow_float16=True))
+    if hybrid.scheme == AUTO:
+        _choose_scheme(hybrid, split, model.name)
+    if not hybrid.model_parallel:
+        raise UnsupportedModel("scheme 'data' shards nothing: train the model with "
+                               "tf.distribute.MirroredStrategy and plain Keras instead")
+    try:
+        hybrid.parallel_plan.check_widths(split.head.hidden, hybrid.num_replicas,
+                                          split.dense_names[:-1])
+    except PlanError as err:
+        raise UnsupportedModel(err.message) from None
+    if seed is None:
+        seed = int(np.random.default_rng().integers(2**31 - 1))
+    # In a cluster every worker takes the chief's: the head's dropout masks and the order of
+    # shuffled arrays must be the same on every worker.
+    placement = hybrid.placement
+    seed = int(placement.sum_over_workers(np.array([seed if placement.is_chief else 0]))[0])
+    with hybrid.scope():
+        parallel = ParallelModel(hybrid, split, source, seed)
+        if keras_files.is_resumable(model):  # a loaded .keras file: its run goes on
+            keras_files.read_state(parallel, model)
+        return parallel
+
+
+def _rebuildable_source(model: keras.Model) -> dict:
+    """The model's config, refused now if Keras cannot rebuild it (not at the first save
+    after training). Keras consumes the dict it deserializes: a copy is used."""
+    source = keras.saving.serialize_keras_object(model)
+    try:
+        outside_strategy_scope(
+            lambda: keras.saving.deserialize_keras_object(json.loads(json.dumps(source))))
+    except Exception as err:  # noqa: BLE001 -- any failure means save/export would fail
+        raise UnsupportedModel(f"model {model.name}: cannot be rebuilt from its config, so it "
+                               f"could not be saved ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0]}); register custom layers with "
+                               "keras.saving.register_keras_serializable") from None
+    gc.collect()  # the rebuilt model's layers hold reference cycles
+    return source
+
+
+def _choose_scheme(hybrid: HybridStrategy, split: KerasSplit, name: str):
+    """`scheme="auto"` resolved for this model: the planner's fastest of the schemes that
+    shard the head (parallelize refuses 'data')."""
+    from owt_tf.models.cost import trunk_cost
+
+    features = int(np.prod(split.trunk.output_shape[1:]))
+    return hybrid.choose_scheme(lambda: trunk_cost(split.trunk, features, split.head),
+                                split.head.hidden, name, ("owt-a", "owt-b", "owt-c"))

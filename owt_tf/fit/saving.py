@@ -1,0 +1,113 @@
+"""A parallelized Keras model's weights and files: whole FC layers from the shards, `.keras`
+files and SavedModels of the user's own architecture (a plain one-device model), and Keras'
+weight files (`save_weights`, ModelCheckpoint, BackupAndRestore) that restore at any K:
+`save_own_variables` writes each FC layer and its optimizer slots as whole tensors.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Dict, List
+
+import keras
+import numpy as np
+
+from owt_tf.devices import outside_strategy_scope
+from owt_tf.fit import callbacks as keras_callbacks
+from owt_tf.fit import files as keras_files
+from owt_tf.parallel.head import state as head_state
+
+
+class SavingMixin:
+    """ParallelModel's weights, save, save_weights, export and Keras' variable store."""
+
+    # -- weights, saving, export -------------------------------------------------------------
+    def fc_weights(self) -> List:
+        """Every Dense layer of the head whole: [(kernel, bias), ...] as numpy arrays."""
+        return self.head.full_weights(self._hybrid.placement.read_shards)
+
+    def get_weights(self) -> List[np.ndarray]:
+        """The trunk's weights, then each Dense layer's kernel and bias, whole (the order of
+        the user's model when its head is last); EarlyStopping's restore_best_weights uses it."""
+        return self.trunk.get_weights() + [w for pair in self.fc_weights() for w in pair]
+
+    def set_weights(self, weights) -> None:
+        n = len(self.trunk.get_weights())
+        self.trunk.set_weights(weights[:n])
+        head = weights[n:]
+        state = {}
+        for i in range(len(self.head.layers)):
+            for j, part in enumerate(("kernel", "bias")):
+                state[head_state.weight_key(i, part)] = head[2 * i + j]
+        self._restore_head(state)
+
+    def to_keras_model(self) -> keras.Model:
+        """The user's architecture as a plain one-device Keras model with these weights."""
+        source = json.loads(self._source_json)
+        plain = outside_strategy_scope(lambda: keras.saving.deserialize_keras_object(source))
+        for layer in self.trunk.layers:
+            if layer.weights:
+                plain.get_layer(layer.name).set_weights(layer.get_weights())
+        for name, (kernel, bias) in zip(self._dense_names, self.fc_weights()):
+            plain.get_layer(name).set_weights([kernel, bias])
+        return plain
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """The model as a plain one-device Keras model (`.keras`): it loads without owt_tf,
+        compiled as this one, with the optimizer's state (trunk and every shard, whole;
+        owt_tf.fit.files), so that `load_model` + `fit` continues the run, and
+        `parallelize` of the loaded model continues it at any K."""
+        plain = self.to_keras_model()
+        if getattr(self, "compiled", False) and getattr(self, "optimizer", None) is not None:
+            keras_files.write_state(self, plain)
+        with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
+            return plain.save(path, overwrite=overwrite, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """Keras' save_weights (each FC layer and its slots whole: save_own_variables); in a
+        cluster only the chief's file is kept."""
+        with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
+            return super().save_weights(path, overwrite=overwrite, **kwargs)
+
+    def export(self, filepath, format="tf_saved_model", **kwargs):
+        """The plain one-device model exported by Keras (a SavedModel by default)."""
+        return self.to_keras_model().export(filepath, format=format, **kwargs)
+
+    def save_own_variables(self, store):
+        """Each FC layer, and its optimizer slots, as whole tensors: the same file at any K."""
+        super().save_own_variables(store)
+        for name, value in self._head_state().items():
+            store[name] = value
+
+    def load_own_variables(self, store):
+        super_keys = [k for k in store.keys() if not k.startswith("fc")]
+        if super_keys:
+            super().load_own_variables({k: store[k] for k in super_keys})
+        state = {k: np.asarray(store[k]) for k in store.keys() if k.startswith("fc")}
+        self._restore_head(state)
+
+    def _head_state(self) -> Dict[str, np.ndarray]:
+        return head_state.head_arrays(self.head, self._fc_optimizer, self._hybrid.placement.read_shards)
+
+    def _restore_head(self, state: Dict[str, np.ndarray]) -> None:
+        head_state.restore_weights(self.head, state, self._dense_names)
+        if not any("_slot" in k for k in state):
+            return
+        if self._fc_optimizer is None:  # loaded before compile: applied by compile
+            self._pending_fc_slots = state
+        else:
+            self._restore_fc_slots(state)
+
+    def _restore_fc_slots(self, state: Dict[str, np.ndarray]) -> None:
+        """The FC optimizer's slots and step count, if they were saved by the same kind of
+        optimizer with as many slots; else fresh ones are kept with a warning, as Keras does
+        for an optimizer whose saved state does not match."""
+        opt = self._fc_optimizer
+        if not head_state.slots_fit(state, opt):
+            warnings.warn(f"Skipping the FC optimizer state: it was saved by "
+                          f"{head_state.saved_kind(state) or 'an optimizer'} with "
+                          f"{head_state.saved_slots(state)} slot(s) per weight; this model's FC "
+                          f"optimizer is {opt.kind} with {opt.num_slots}", stacklevel=2)
+            return
+        head_state.restore_slots(self.head, state, opt)
+        opt.sync_iterations()

@@ -1,0 +1,307 @@
+"""Which columns live where: an FC layer split over K devices, the head's layers, and how
+shards are joined and split again.
+
+An FC layer of `in x out` weights is split over K devices either by output units ('col':
+shard k owns columns k*out/K ... of the kernel, the paper's split) or by input units
+('row': shard k owns rows k*in/K ..., Megatron's second half of a column/row pair).
+Shard k is a plain tf.Variable created under tf.device(devices[k]) *outside*
+strategy.scope(): inside the scope tf.device is ignored for variables
+(tensorflow/tensorflow#56416) and the variable would be mirrored. Which device holds
+shard k is decided by the caller (owt_tf.parallel.placement), never here.
+
+Class counts that K does not divide are padded with zero columns whose logits are masked
+out of the loss, so their gradient is exactly zero and they stay zero; `full_weights`
+drops them. Hidden widths must be divisible by K.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from owt_tf.models.spec import HeadSpec
+from owt_tf.parallel.head import sampling
+from owt_tf.parallel.head.metrics import ShardedLoss
+from owt_tf.planner.plan import LOSS_MODES, sampling_problem, widths_problem
+
+COL, ROW = "col", "row"
+
+
+def layer_splits(num_layers: int, fc_exchange: str) -> List[str]:
+    """How each FC layer is split. 'gather': all by output units, their outputs all-gathered.
+
+    'colrow' pairs hidden layers (column split, then row split, one all-reduce per pair);
+    the logits layer is always split by classes.
+    """
+    if fc_exchange == "gather":
+        return [COL] * num_layers
+    if fc_exchange == "colrow":
+        hidden = [COL if i % 2 == 0 else ROW for i in range(num_layers - 1)]
+        return hidden + [COL]
+    raise ValueError(f"unknown fc_exchange {fc_exchange!r}")
+
+
+def padded(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+class ShardedDense(tf.Module):
+    """One FC layer as K kernel/bias shards, shard k on devices[k].
+
+    In a multi-worker run a process holds only the shards of its own devices (`local`):
+    the others live in other processes. With devices == [None] (pure data parallelism) it
+    is a single unsplit layer whose variables the caller creates under strategy.scope(),
+    i.e. mirrored.
+    """
+
+    def __init__(self, name: str, kernel: np.ndarray, bias: np.ndarray, split: str,
+                 devices: Sequence[Optional[str]], local: Optional[Sequence[int]] = None):
+        super().__init__(name=name)
+        self.split = split
+        self.in_dim, self.out_dim = kernel.shape
+        self.num_shards = k = len(devices)
+        self.padded_out = padded(self.out_dim, k) if split == COL else self.out_dim
+        if split == ROW and (self.in_dim % k or self.out_dim % k):
+            raise ValueError(f"{name}: row split needs in ({self.in_dim}) and out "
+                             f"({self.out_dim}) divisible by {k}")
+        self.local_shards: List[int] = list(range(k) if local is None else local)
+        kernel_parts, bias_parts = self.split_full(kernel, bias)
+        # Lists by shard index (None: a shard held by another process); a SavedModel can
+        # hold lists, not dicts with int keys.
+        self.kernels: List[Optional[tf.Variable]] = [None] * k
+        self.biases: List[Optional[tf.Variable]] = [None] * k
+        for i in self.local_shards:
+            with tf.device(devices[i]):
+                self.kernels[i] = tf.Variable(kernel_parts[i], name=f"{name}_kernel_{i}")
+                self.biases[i] = tf.Variable(bias_parts[i], name=f"{name}_bias_{i}")
+
+    def split_full(self, kernel: np.ndarray, bias: np.ndarray) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+        """A whole (kernel, bias) -- weights or momenta -- cut into this layer's shards, padded."""
+        pad = self.padded_out - self.out_dim
+        if pad:  # np.pad copies even when there is nothing to add: a whole head's worth
+            kernel = np.pad(kernel, [(0, 0), (0, pad)])
+        return (np.split(kernel, self.num_shards, axis=1 if self.split == COL else 0),
+                np.split(np.pad(bias, [(0, pad)]), self.num_shards))
+
+    def shard_variables(self, k: int) -> List[tf.Variable]:
+        return [self.kernels[k], self.biases[k]]
+
+    def joined_variables(self) -> Tuple[tf.Tensor, tf.Tensor]:
+        """The whole (kernel, bias) as tensors, joined from every shard (all must be local)."""
+        if len(self.local_shards) != self.num_shards:
+            raise RuntimeError(f"{self.name}: joining shards needs every shard in this process")
+        ks = [self.kernels[i] for i in range(self.num_shards)]
+        bs = [self.biases[i] for i in range(self.num_shards)]
+        kernel = tf.concat(ks, axis=1 if self.split == COL else 0)
+        bias = tf.concat(bs, axis=0)
+        return kernel[:, :self.out_dim], bias[:self.out_dim]
+
+    def joined_rounds(self, xs: Sequence[tf.Tensor],
+                      rounds: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
+        """x @ kernel + bias for every round's rows x, with every shard joined on this device
+        (unpadded): what a one-device Dense layer with these weights computes."""
+        kernel, bias = (tf.cast(v, xs[0].dtype) for v in self.joined_variables())
+        return per_round(lambda x, i: tf.matmul(x, kernel) + bias, xs, rounds)
+
+    def forward_shard_rounds(self, xs: Sequence[tf.Tensor], k: int,
+                             rounds: Optional[Sequence[int]] = None,
+                             columns: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
+        """x @ kernel_k + bias_k for every round's rows x in xs, in x's dtype (float32
+        weights are cast, as Keras' mixed precision does: their gradients stay float32).
+        Each round's product on its own (under the name scope of round rounds[i] if given:
+        it may start as soon as that round's rows arrive), their backward as one product over
+        all rounds' rows (`_rounds_matmul`). For ROW, x is this shard's input slice and the
+        bias slice lands on its own columns, so the all-reduce that follows adds every bias
+        once. `columns` (COL only): the shard's column ids to compute, not all of them."""
+        kernel, bias = self.kernels[k], self.biases[k]
+        if columns is not None:
+            kernel, bias = sampling.gather_columns(kernel, bias, columns)
+        kernel, bias = (tf.cast(v, xs[0].dtype) for v in (kernel, bias))
+        if self.split == ROW:
+            width = self.out_dim // self.num_shards
+            bias = tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])
+        products = _rounds_matmul(list(xs), kernel, rounds)
+        return per_round(lambda y, i: y + bias, products, rounds)
+
+
+def _rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
+                   rounds: Optional[Sequence[int]]) -> List[tf.Tensor]:
+    """[x @ kernel for x in xs], each product under its round's name scope. Backward: the
+    kernel's gradient as one product of all rounds' rows joined, not one per round summed:
+    a round of B rows reads and writes the whole kernel gradient, so K rounds of a
+    9216x1024 shard moved K times its 38 MB (paper AlexNet's first FC layer), the
+    memory traffic that made owt-b and owt-c slower than owt-a on a CPU. The same sum,
+    in another order."""
+    def each_round(kernel, xs):
+        return per_round(lambda x, i: tf.matmul(x, kernel), xs, rounds)
+
+    if len(xs) == 1:
+        return each_round(kernel, xs)
+
+    @tf.custom_gradient
+    def products(kernel, *xs):
+        ys = each_round(kernel, xs)
+
+        def grad(*dys):
+            dys = [tf.zeros_like(y) if dy is None else dy for y, dy in zip(ys, dys)]
+            dy = tf.concat(dys, axis=0)
+            dkernel = tf.matmul(tf.concat(xs, axis=0), dy, transpose_a=True)
+            dxs = tf.split(tf.matmul(dy, kernel, transpose_b=True),
+                           [int(x.shape[0]) for x in xs], axis=0)
+            return [dkernel] + dxs
+
+        return ys, grad
+
+    return products(kernel, *xs)
+
+
+def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
+             bias_parts: Sequence[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """Joins per-shard kernel and bias arrays (weights, gradients or momenta) of `layer`."""
+    kernel = np.concatenate(kernel_parts, axis=1 if layer.split == COL else 0)
+    bias = np.concatenate(bias_parts, axis=0)
+    return kernel[:, :layer.out_dim], bias[:layer.out_dim]
+
+
+# Reads the values of every shard's variables, given this process's own shards' variables
+# by shard index: [values of shard 0's variables, ..., of shard K-1's]. In one process a
+# plain read; in a cluster a collective gather (Placement.read_shards).
+ShardReader = Callable[[Dict[int, List[tf.Variable]]], List[List[np.ndarray]]]
+
+
+def read_local_shards(per_shard: Dict[int, List[tf.Variable]]) -> List[List[np.ndarray]]:
+    """The ShardReader of a process that holds every shard."""
+    return [[v.numpy() for v in per_shard[k]] for k in sorted(per_shard)]
+
+
+def per_round(fn: Callable[[tf.Tensor, int], object], ts: Sequence[tf.Tensor],
+               rounds: Optional[Sequence[int]]) -> list:
+    """fn(ts[i], i) for every i, under the name scope of round rounds[i] if given."""
+    out = []
+    for i, t in enumerate(ts):
+        with tf.name_scope(f"fc_round{rounds[i]}") if rounds is not None else contextlib.nullcontext():
+            out.append(fn(t, i))
+    return out
+
+
+def on_joined_rows(op: Callable[[tf.Tensor], tf.Tensor], ts: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    """op on the rows of every tensor in `ts` joined, cut back into their rows: one
+    collective for several rounds (op must act on each row on its own)."""
+    if len(ts) == 1:
+        return [op(ts[0])]
+    joined = op(tf.concat(list(ts), axis=0))
+    return tf.split(joined, [int(t.shape[0]) for t in ts], axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLoss:
+    """What the head's loss is and where it is computed.
+
+    `mode` 'gathered' all-gathers the logits and computes the loss whole; 'sharded' never
+    does: the softmax normalizer and the target logit are summed across shards. `sharded`:
+    which cross-entropy the shards compute (None: sparse, the CLI's); `candidates_k`: how
+    many top candidates per shard the metrics read (0: none); `per_example`: (labels,
+    outputs) -> per-example loss for the gathered mode (None: cross-entropy on the logits);
+    `sample_rate`: Partial FC, the share of each shard's classes a training update's softmax
+    keeps (owt_tf.parallel.head.sampling; 1: every class, the exact loss)."""
+
+    mode: str = "gathered"
+    sharded: Optional[ShardedLoss] = None
+    candidates_k: int = 0
+    per_example: Optional[Callable[[tf.Tensor, tf.Tensor], tf.Tensor]] = None
+    sample_rate: float = 1.0
+
+    def __post_init__(self):
+        if self.mode not in LOSS_MODES:
+            raise ValueError(f"loss mode must be one of {', '.join(LOSS_MODES)}, got {self.mode!r}")
+        object.__setattr__(self, "sample_rate", sampling.check_sample_rate(self.sample_rate))
+        problem = sampling_problem(self.sample_rate, self.mode == "sharded")
+        if problem:
+            raise ValueError(f"sample_rate={self.sample_rate:g}: {problem}")
+
+
+class ShardedHead(tf.Module):
+    """The FC layers of a HeadSpec, split for K shards: the state of the head. Its forward
+    pass is owt_tf.parallel.head.forward, its loss owt_tf.parallel.head.loss."""
+
+    def __init__(self, spec: HeadSpec, full_weights: Sequence[Tuple[np.ndarray, np.ndarray]],
+                 devices: Sequence[Optional[str]], fc_exchange: str = "gather",
+                 loss: Optional[HeadLoss] = None, local: Optional[Sequence[int]] = None,
+                 compute_dtype: str = "float32"):
+        super().__init__(name="head")
+        k = len(devices)
+        problem = widths_problem(spec.hidden, k, spec.names[:-1] or None)
+        if problem:
+            raise ValueError(problem)
+        self.spec = spec
+        self.num_shards = k
+        self.loss = loss or HeadLoss()
+        # What the FC layers compute in and their inputs and outputs travel in; the loss is
+        # always float32 (a bfloat16 or float16 softmax loses the small probabilities).
+        self.compute_dtype = tf.as_dtype(compute_dtype)
+        splits = layer_splits(len(spec.widths), fc_exchange)
+        self.layers = [
+            ShardedDense(f"fc{i}", kern, bias, split, devices, local)
+            for i, ((kern, bias), split) in enumerate(zip(full_weights, splits))
+        ]
+        self.local_shards: List[int] = self.layers[0].local_shards
+
+    def shard_variables(self, k: int) -> List[tf.Variable]:
+        return [v for layer in self.layers for v in layer.shard_variables(k)]
+
+    def full_weights(self, read: ShardReader = read_local_shards) -> List[Tuple[np.ndarray, np.ndarray]]:
+        """Every layer whole, as (kernel, bias) numpy arrays, padding dropped."""
+        values = read({k: self.shard_variables(k) for k in self.local_shards})
+        return [assemble(layer, [v[2 * i] for v in values], [v[2 * i + 1] for v in values])
+                for i, layer in enumerate(self.layers)]
+
+    def join_groups(self, values: Sequence[Sequence[np.ndarray]],
+                    groups: int) -> List[List[Tuple[np.ndarray, np.ndarray]]]:
+        """Whole layers from per-shard values laid out as `groups` blocks of
+        [W0, b0, W1, b1, ...] (the weights, then each optimizer slot): [group][layer]."""
+        n = 2 * len(self.layers)
+        return [[assemble(layer, [v[g * n + 2 * i] for v in values],
+                          [v[g * n + 2 * i + 1] for v in values])
+                 for i, layer in enumerate(self.layers)] for g in range(groups)]
+
+    def assign_whole(self, shard_state: Callable[[int], Sequence[tf.Variable]], group: int,
+                     i: int, kernel: np.ndarray, bias: np.ndarray) -> List:
+        """Splits layer i's whole (kernel, bias) -- weights or a slot -- into this process's
+        shards' variables, block `group` of `shard_state(k)` (the join_groups layout)."""
+        n = 2 * len(self.layers)
+        kernel_parts, bias_parts = self.layers[i].split_full(kernel, bias)
+        ops = []
+        for k in self.local_shards:
+            state = shard_state(k)
+            ops.append(state[group * n + 2 * i].assign(kernel_parts[k]))
+            ops.append(state[group * n + 2 * i + 1].assign(bias_parts[k]))
+        return ops
+
+    def shard_width(self) -> int:
+        return self.layers[-1].padded_out // self.num_shards
+
+    def class_range(self, k: int) -> Tuple[int, tf.Tensor]:
+        """Shard k's first class id and which of its columns are classes (not padding)."""
+        width = self.shard_width()
+        return k * width, tf.range(k * width, (k + 1) * width) < self.spec.num_classes
+
+    def use_loss(self, loss: HeadLoss) -> None:
+        """Computes `loss` from now on (Keras' compile knows the loss only after the head's
+        weights exist); the sample rate is the plan's and cannot change here."""
+        if loss.sample_rate != self.loss.sample_rate:
+            raise ValueError(f"the head samples at {self.loss.sample_rate:g}, the plan's rate; "
+                             f"got {loss.sample_rate:g}")
+        self.loss = loss
+
+    @property
+    def loss_mode(self) -> str:
+        """'gathered' (the logits are all-gathered) or 'sharded' (never gathered)."""
+        return self.loss.mode
+
+    @property
+    def sample_rate(self) -> float:
+        return self.loss.sample_rate
+

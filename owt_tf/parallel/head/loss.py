@@ -1,0 +1,196 @@
+"""The head's loss on the rounds' logits: gathered (the logits all-gathered, the loss
+computed whole) or on the shards (the softmax normalizer and the target logit summed across
+shards, never a [rows, classes] tensor), the Partial FC sample of an update, and the top
+candidates the metrics and `predict(top_k=)` read.
+
+Which loss and where: the head's HeadLoss (owt_tf.parallel.head.layout).
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from owt_tf.parallel import collectives as coll
+
+from owt_tf.planner import ledger
+from owt_tf.parallel.head import sampling
+from owt_tf.parallel.head.forward import exchange, gather, outputs
+from owt_tf.parallel.head.layout import ShardedHead, per_round
+from owt_tf.parallel.head.metrics import (LOWEST, ShardedLoss, TopCandidates, best_of,
+                                          shard_top_candidates, unpack_gathered)
+
+
+def loss_terms(head: ShardedHead, logits_shard: tf.Tensor, labels: tf.Tensor,
+               k: int) -> Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]:
+    """Per-example loss, top-1 correctness and the model's outputs for rows whose labels
+    are `labels`; under the sharded loss, instead of the outputs, the top
+    `candidates_k` classes of every shard (TopCandidates), or None.
+
+    The loss is `head.loss.per_example(labels, outputs)` when set (a Keras model's
+    compiled loss), else sparse softmax cross-entropy on the logits. 'gathered'
+    all-gathers the logits; 'sharded' never does: the softmax normalizer and the target
+    logit are summed across shards, the max (which only stabilizes) is gathered without
+    gradient, since ReduceOp has no MAX.
+    """
+    return loss_terms_rounds(head, [logits_shard], [labels], k)[0]
+
+
+def loss_terms_rounds(head: ShardedHead, logits_shards: Sequence[tf.Tensor], labels: Sequence[tf.Tensor],
+                      k: int, rounds: Optional[Sequence[int]] = None,
+                      sample: Optional[sampling.SampledColumns] = None
+                      ) -> List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]:
+    """`loss_terms` of several rounds (named as in forward_rounds), each collective once
+    for all of them. `sample`: the update's sampled columns (sample_columns), which the
+    logits were computed for: the softmax covers its classes. Without it, every class."""
+    per_round_ = functools.partial(per_round, rounds=rounds)
+    if head.loss.mode == "sharded" and (head.num_shards > 1 or sample is not None):
+        return _sharded_cross_entropy(head, logits_shards, labels, k, per_round_, sample)
+    logits_all = list(logits_shards)
+    if head.num_shards > 1:
+        logits_all = gather(head, logits_all, ledger.LOGITS)
+    return per_round_(lambda logits, r: _round_loss_terms(head, logits, labels[r]), logits_all)
+
+
+def _round_loss_terms(head, logits: tf.Tensor, labels: tf.Tensor):
+    logits = tf.cast(logits[:, : head.spec.num_classes], tf.float32)
+    out = outputs(head, logits)
+    if head.loss.per_example is not None:
+        ce = head.loss.per_example(labels, out)
+    else:
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    # Top-1 correctness (the CLI's error rate): class ids, or the argmax of one-hot rows.
+    sparse = labels.shape.rank == 1
+    target = (tf.cast(labels, tf.int64) if sparse
+              else tf.argmax(labels, axis=-1, output_type=tf.int64))
+    correct = tf.equal(tf.argmax(logits, axis=1, output_type=tf.int64), target)
+    return ce, correct, out
+
+
+def sample_columns(head: ShardedHead, labels: Sequence[tf.Tensor], k: int,
+                   update_seed: tf.Tensor) -> sampling.SampledColumns:
+    """The columns of shard k an FC update with these rows' `labels` (every round of the
+    update) keeps under Partial FC, seeded by `update_seed` (int32 [2])."""
+    sparse = head.loss.sharded is None or head.loss.sharded.sparse
+    return sampling.shard_sample(labels, k, head.shard_width(), head.spec.num_classes,
+                                 head.sample_rate, sparse, update_seed)
+
+
+def _top_gathered(head, logits_shards, k: int, per_round, top: int, sample=None):
+    """Every shard's `top` best logits of each round's rows (ids too when candidates are
+    wanted), all-gathered: per round, (values [n, K*top], ids [n, K*top] or None). The
+    best value is the max that stabilizes the softmax (ReduceOp has no MAX)."""
+    first, _ = head.class_range(k)
+    with_ids = head.loss.candidates_k > 0
+
+    def local_top(logits, r):
+        packed = sampling.top_candidates(logits, sample, first, head.spec.num_classes, top)
+        return packed if with_ids else packed[:, :top]
+
+    gathered = gather(head, per_round(local_top, logits_shards), ledger.LOGITS)
+    if with_ids:
+        return [unpack_gathered(g, head.num_shards, top) for g in gathered]
+    return [(g, None) for g in gathered]
+
+
+def _sharded_cross_entropy(head, logits_shards, labels, k, per_round, sample=None):
+    # float32 from here: sums of exponentials need its precision; what travels is
+    # [n, 2 or 3] per round, and [n, 2 * candidates] for the metrics, not [n, classes].
+    # Under a sample the logits are its columns; its padding entries are out of the
+    # softmax as padding classes are.
+    logits_shards = [tf.cast(l, tf.float32) for l in logits_shards]
+    width = head.shard_width()
+    first, valid = head.class_range(k)
+    if sample is not None:
+        valid = sample.valid
+    loss = head.loss.sharded or ShardedLoss()
+    top = min(max(head.loss.candidates_k, 1), logits_shards[0].shape[1])
+    tops = _top_gathered(head, logits_shards, k, per_round, top, sample)
+    global_max = [tf.reduce_max(values, axis=1) for values, _ in tops]
+
+    def local_terms(logits, r):
+        shifted = tf.where(valid[None, :], logits - global_max[r][:, None], -np.inf)
+        sums = [tf.reduce_sum(tf.exp(shifted), axis=1)]
+        if loss.sparse:
+            # Keras takes class ids as [n] or [n, 1], of any number type
+            local_label = tf.reshape(tf.cast(labels[r], tf.int32), [-1]) - first
+            mine = (local_label >= 0) & (local_label < width)
+            column = sampling.label_positions(local_label, sample, width)
+            picked = tf.gather(logits, column, batch_dims=1)
+            sums.append(tf.where(mine, picked, tf.zeros_like(picked)))
+        else:
+            present = tf.where(valid[None, :], logits, 0.0)
+            columns = sampling.sampled_label_columns(
+                _label_columns(head, labels[r], first, width), sample)
+            sums.append(tf.reduce_sum(columns * present, 1))
+            if loss.label_smoothing:
+                sums.append(tf.reduce_sum(present, axis=1))
+        return tf.stack(sums, axis=1)
+
+    # Normalizer and label terms in one all-reduce: separate ones would all be ready at
+    # once in the backward pass, in an order that can differ between replicas.
+    terms = exchange(head, coll.all_reduce_sum, per_round(local_terms, logits_shards), ledger.LOGITS)
+
+    def cross_entropy(t, r):
+        log_norm = tf.math.log(t[:, 0]) + global_max[r]
+        if loss.sparse:
+            return log_norm - t[:, 1], t[:, 1] >= global_max[r], _candidates(head, tops[r], t, r, global_max)
+        # -sum_c y_c log softmax_c = log_norm * sum(y) - sum(y * logits), y smoothed as
+        # Keras smooths it: y (1 - s) + s / classes.
+        y = tf.cast(labels[r], tf.float32)
+        s = loss.label_smoothing
+        label_sum = tf.reduce_sum(y, axis=1) * (1 - s) + s
+        label_logits = t[:, 1] * (1 - s) + (t[:, 2] * s / head.spec.num_classes if s else 0.0)
+        return (log_norm * label_sum - label_logits, t[:, 1] >= global_max[r],
+                _candidates(head, tops[r], t, r, global_max))
+
+    return per_round(cross_entropy, terms)
+
+
+def _label_columns(head, labels: tf.Tensor, first: int, width: int) -> tf.Tensor:
+    """This shard's columns of [n, classes] labels (zero on padding columns)."""
+    labels = tf.cast(labels, tf.float32)
+    pad = head.num_shards * width - head.spec.num_classes
+    return tf.pad(labels, [[0, 0], [0, pad]])[:, first:first + width]
+
+
+def _candidates(head, top, terms, r, global_max) -> Optional[TopCandidates]:
+    """The round's candidates, scored as the model's outputs: a softmax's from the
+    normalizer already summed for the loss."""
+    values, ids = top
+    if ids is None:
+        return None
+    return TopCandidates(_scores(head, values, global_max[r], terms[:, 0]), ids)
+
+
+def _scores(head, values: tf.Tensor, global_max: tf.Tensor, sum_exp: tf.Tensor) -> tf.Tensor:
+    """The model's outputs for logits `values` of rows whose max logit and sum of
+    exp(logit - max) are given; padding (LOWEST) stays LOWEST."""
+    if head.spec.output_activation == "softmax":
+        scores = tf.exp(values - global_max[:, None]) / sum_exp[:, None]
+    elif head.spec.output_activation == "sigmoid":
+        scores = tf.sigmoid(values)
+    else:
+        return values
+    return tf.where(values > LOWEST, scores, LOWEST)
+
+
+def top_k_outputs(head: ShardedHead, logits_shard: tf.Tensor, k: int, top_k: int) -> TopCandidates:
+    """The `top_k` best classes of every row and the model's outputs for them, from shard
+    k's logits of the rows (every replica's rows; inference): each shard's candidates
+    gathered ([rows, 2 K top_k]), and a softmax's normalizer all-reduced ([rows])."""
+    logits = tf.cast(logits_shard, tf.float32)
+    top = min(top_k, logits.shape[1])
+    first, valid = head.class_range(k)
+    packed = shard_top_candidates(logits, first, head.spec.num_classes, top)
+    values, ids = unpack_gathered(gather(head, [packed], ledger.LOGITS)[0], head.num_shards, top)
+    global_max = tf.reduce_max(values, axis=1)
+    sum_exp = None
+    if head.spec.output_activation == "softmax":
+        shifted = tf.where(valid[None, :], logits - global_max[:, None], -np.inf)
+        sum_exp = exchange(head, coll.all_reduce_sum, [tf.reduce_sum(tf.exp(shifted), 1)],
+                                 ledger.LOGITS)[0]
+    best = best_of(TopCandidates(values, ids), top_k)
+    return TopCandidates(_scores(head, best.scores, global_max, sum_exp), best.ids)
