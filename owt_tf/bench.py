@@ -1,10 +1,16 @@
-"""`python -m owt_tf.bench`: schemes measured side by side (owt_tf.experiments.bench)."""
+"""`python -m owt_tf.bench`: schemes measured side by side (owt_tf.experiments.bench);
+`--input prepared:DIR`: a prepared set's training input against bare decoding of its
+originals (owt_tf.experiments.input_bench)."""
 import sys
 
 from owt_tf.experiments.bench import build_parser, main
 from owt_tf.startup import start_tensorflow
 
 if __name__ == "__main__":
-    build_parser().parse_args()  # --help and bad flags answer before TensorFlow loads
+    args = build_parser().parse_args()  # --help and bad flags answer before TensorFlow loads
     start_tensorflow()  # quiet, as train: TensorFlow's C++ start-up lines are dropped
+    if (args.input or "").startswith("prepared:"):
+        from owt_tf.experiments import input_bench
+
+        sys.exit(input_bench.main())
     sys.exit(main())

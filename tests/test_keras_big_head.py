@@ -69,9 +69,9 @@ CASES = {  # name: (softmax head, compile settings, one-hot labels, scheme)
 
 def _ledger_of(run):
     """The bytes by purpose of the collectives traced while `run()` traces its step."""
-    with ledger.recording(ledger.TrafficLedger()) as ledger:
+    with ledger.recording(ledger.TrafficLedger()) as recorded:
         result = run()
-    return ledger, result
+    return recorded, result
 
 
 @pytest.mark.slow
@@ -104,8 +104,8 @@ def test_sharded_loss_and_metrics_equal_plain_keras(devices, case):
     want_eval = reference.evaluate(x[:70], y[:70], batch_size=BATCH, verbose=0, return_dict=True)
     assert got_eval == pytest.approx(want_eval, rel=1e-5)
     whole_logits = ledger.all_gather_cost(BATCH * (CLASSES + 1) // K * 4, K)  # one round's gather
-    for ledger in (train, test):
-        assert 0 < ledger.by_purpose[ledger.LOGITS] < whole_logits / 10, ledger.summary()
+    for recorded in (train, test):
+        assert 0 < recorded.by_purpose[ledger.LOGITS] < whole_logits / 10, recorded.summary()
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ def test_sharded_loss_without_metrics_evaluates_as_plain_keras(devices):
     x, y = _data(reference, 70, seed=3)
     settings = dict(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     parallel = _parallel(copy_of(reference), devices, **settings)
-    assert parallel.head.loss_mode == "sharded" and parallel.head.candidates_k == 0
+    assert parallel.head.loss_mode == "sharded" and parallel.head.loss.candidates_k == 0
     reference.compile(**settings)
     assert parallel.evaluate(x, y, batch_size=BATCH, verbose=0) == pytest.approx(
         reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5)
@@ -136,11 +136,11 @@ def test_other_metrics_fall_back_to_the_gathered_logits(devices):
     assert parallel.head.loss_mode == "gathered"
     reference.compile(**settings())
     want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
-    ledger, got = _ledger_of(lambda: parallel.fit(x, y, batch_size=BATCH, shuffle=False,
-                                                  verbose=0).history)
+    recorded, got = _ledger_of(lambda: parallel.fit(x, y, batch_size=BATCH, shuffle=False,
+                                                    verbose=0).history)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
-    assert ledger.by_purpose[ledger.LOGITS] >= ledger.all_gather_cost(BATCH * 2004 // K * 4, K)
+    assert recorded.by_purpose[ledger.LOGITS] >= ledger.all_gather_cost(BATCH * 2004 // K * 4, K)
 
 
 @pytest.mark.slow
@@ -152,14 +152,14 @@ def test_predict_top_k_equals_the_top_classes_of_plain_predict(devices, softmax)
     reference = _big_head(softmax, seed=6)
     x = np.random.default_rng(2).normal(size=(70, 8, 8, 1)).astype(np.float32)
     parallel = _parallel(copy_of(reference), devices)
-    ledger, (scores, ids) = _ledger_of(
+    recorded, (scores, ids) = _ledger_of(
         lambda: parallel.predict(x, batch_size=BATCH, top_k=5, verbose=0))
     want = reference.predict(x, verbose=0)
     top = np.argsort(-want, axis=1, kind="stable")[:, :5]
     assert scores.shape == ids.shape == (70, 5)
     np.testing.assert_array_equal(ids, top)
     np.testing.assert_allclose(scores, np.take_along_axis(want, top, 1), rtol=1e-5, atol=1e-9)
-    assert ledger.by_purpose[ledger.LOGITS] < ledger.all_gather_cost(BATCH * 2004 // K * 4, K) / 10
+    assert recorded.by_purpose[ledger.LOGITS] < ledger.all_gather_cost(BATCH * 2004 // K * 4, K) / 10
     np.testing.assert_allclose(parallel.predict(x, batch_size=BATCH, verbose=0), want,
                                rtol=1e-5, atol=1e-7)  # and whole outputs without top_k
 
@@ -193,7 +193,7 @@ def test_strategy_sharded_loss_refuses_what_it_cannot_compute(devices, settings,
         parallel.compile(optimizer="sgd", **settings)
     assert "\n" not in str(err.value)
     parallel.compile(optimizer="sgd", **_sparse_logits())
-    assert parallel.head.loss_mode == "sharded" and parallel.head.candidates_k == 5
+    assert parallel.head.loss_mode == "sharded" and parallel.head.loss.candidates_k == 5
 
 
 def test_auto_choosing_the_sharded_loss_never_makes_compile_refuse(devices, monkeypatch):

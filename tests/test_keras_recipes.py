@@ -225,13 +225,13 @@ def test_fc_optimizer_state_loads_only_into_the_same_kind(devices, tmp_path):
                      loss="sparse_categorical_crossentropy")
     adam.fit(x, y, batch_size=BATCH, verbose=0)
     adam.save_weights(path)
-    saved = adam._head_state()
+    saved = adam.head_state()
 
     sgd = _parallel(alexnet_like(seed=5), devices, optimizer=keras.optimizers.SGD(LR, momentum=0.9),
                     loss="sparse_categorical_crossentropy")
     with pytest.warns(UserWarning, match="Skipping the FC optimizer state.*Adam"):
         sgd.load_weights(path)
-    state = sgd._head_state()
+    state = sgd.head_state()
     np.testing.assert_array_equal(state["fc0_kernel"], saved["fc0_kernel"])
     assert not np.any(state["fc0_kernel_slot0"])  # momentum untouched
     assert int(state["fc_iterations"]) == 0
@@ -241,7 +241,7 @@ def test_fc_optimizer_state_loads_only_into_the_same_kind(devices, tmp_path):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Skipping the FC")
         again.load_weights(path)
-    state = again._head_state()
+    state = again.head_state()
     for key in ("fc0_kernel_slot0", "fc2_bias_slot1", "fc_iterations"):
         np.testing.assert_array_equal(state[key], saved[key])
 

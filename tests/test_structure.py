@@ -170,3 +170,24 @@ def test_the_planner_imports_no_tensorflow():
             "print(','.join(loaded))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", out.stdout
+
+
+def test_modules_and_folders_stay_small():
+    """No module over 450 lines, no folder of owt_tf/ (below the package itself, which holds
+    the entry points) with more than 12 modules: a reader finds each job in one short file."""
+    long = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450]
+    crowded = [f"{d.relative_to(PACKAGE.parent)}: {n} modules" for d in PACKAGE.rglob("*")
+               if d.is_dir() and d.name != "__pycache__"
+               and (n := len(list(d.glob("*.py")))) > 12]
+    assert not long and not crowded, long + crowded
+
+
+def test_hybrid_strategy_stays_a_thin_front():
+    """HybridStrategy: at most 12 public methods and properties, and no CLI step driver."""
+    source = (PACKAGE / "parallel" / "strategy.py").read_text()
+    tree = ast.parse(source)
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "HybridStrategy")
+    public = [f.name for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
+    assert len(public) <= 12, public
+    assert not any(m.startswith("owt_tf.training") for _, m in imported_modules(PACKAGE / "parallel" / "strategy.py"))

@@ -44,7 +44,8 @@ class DataConfig:
         "digits",
         "digits (embedded default), faces (embedded synthetic identities with held-out "
         "verification pairs), imagenet2012 (with --manual-dir), folder:PATH "
-        "(PATH/train/<label>/*, PATH/validation/<label>/*), insightface:PATH (train.rec + "
+        "(PATH/train/<label>/*, PATH/validation/<label>/*), prepared:PATH (a set written "
+        "by python -m owt_tf.prepare), insightface:PATH (train.rec + "
         "train.idx, *.bin pairs), tfds:NAME (a TFDS dataset prepared in --data-dir) or "
         "synthetic")
     data_dir: Optional[str] = flag(None, "where prepared TFDS datasets live")

@@ -100,12 +100,13 @@ def check_dataset(dataset: str, names) -> None:
     if dataset.startswith("tfds:"):
         if not dataset[len("tfds:"):]:
             raise ConfigError("--dataset", "tfds:NAME needs a dataset name")
-    elif dataset.startswith(("folder:", "insightface:")):
+    elif dataset.startswith(("folder:", "prepared:", "insightface:")):
         if not os.path.isdir(dataset.partition(":")[2]):
             raise ConfigError("--dataset", f"{dataset}: no such directory")
     else:
         check_choice("--dataset", dataset,
-                     tuple(names) + ("folder:PATH", "insightface:PATH", "tfds:NAME"))
+                     tuple(names) + ("folder:PATH", "prepared:PATH", "insightface:PATH",
+                                     "tfds:NAME"))
 
 
 def check_model_fits(config) -> None:

@@ -5,6 +5,9 @@
     folder:PATH  images in PATH/train/<label>/* and PATH/validation/<label>/* (or test/),
                  the tfds.ImageFolder layout, streamed and decoded by tf.data with a training
                  augmentation (--augment) and a center crop for eval
+    prepared:DIR a set written once by `python -m owt_tf.prepare` (shorter side 256, central
+                 256x256, JPEG in TFRecord shards, a manifest), streamed like a folder with
+                 the same augmentation; owt_tf.data.prepared
     insightface:DIR  InsightFace's face-recognition sets as shipped (train.rec + train.idx,
                  verification *.bin), streamed like a folder; owt_tf.data.insightface
     faces        synthetic face identities made in memory, with verification pairs of
@@ -32,6 +35,7 @@ import tensorflow as tf
 from owt_tf.data import DATASET_NAMES, DatasetError
 from owt_tf.data.backends import FolderDataset, TfdsDataset
 from owt_tf.data.insightface import InsightFaceDataset
+from owt_tf.data.prepared import PreparedDataset
 from owt_tf.data.stream import StreamDataset  # noqa: F401 (the loop tells streamed data apart)
 from owt_tf.config import AUGMENTATIONS
 from owt_tf.data.arrays import ArrayDataset
@@ -56,6 +60,8 @@ def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Opti
         return faces_dataset(image_shape)
     if name.startswith("folder:"):
         dataset = FolderDataset(name[len("folder:"):], image_shape)
+    elif name.startswith("prepared:"):
+        dataset = PreparedDataset(name[len("prepared:"):], image_shape)
     elif name.startswith("insightface:"):
         dataset = InsightFaceDataset(name[len("insightface:"):], image_shape)
     elif name.startswith("tfds:"):

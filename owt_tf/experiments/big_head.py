@@ -148,10 +148,10 @@ def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: 
         _compile(model)
     del plain  # the user's one-device copy is no longer needed once split
     gc.collect()
-    with ledger.recording(ledger.TrafficLedger()) as ledger:
+    with ledger.recording(ledger.TrafficLedger()) as recorded:
         timer = _fit_and_time(model, classes, global_batch, warmup, steps)
-    return dict(timer=timer, bytes_per_step=float(ledger.total),
-                bytes_by_purpose=ledger.summary(), loss_mode=model.head.loss_mode,
+    return dict(timer=timer, bytes_per_step=float(recorded.total),
+                bytes_by_purpose=recorded.summary(), loss_mode=model.head.loss_mode,
                 head_shards=model.head.num_shards, sample_rate=sample_rate,
                 how=f"owt_tf.parallelize {strategy.scheme}, loss {model.head.loss_mode}"
                     + (f", sample_rate {sample_rate:g}" if sample_rate < 1 else ""))

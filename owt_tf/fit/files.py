@@ -82,8 +82,8 @@ def write_state(parallel, plain: keras.Model) -> None:
         plain.optimizer.build(plain.trainable_variables)
     target = _slot_table(plain.optimizer, _layers(plain))
     _copy(_slot_table(parallel.optimizer, _layers(parallel.trunk)), target)
-    arrays = parallel._head_state()  # pylint: disable=protected-access
-    names = parallel._dense_names  # pylint: disable=protected-access
+    arrays = parallel.head_state()
+    names = parallel.dense_names
     slots = _head_slots(target[0], names)
     kind = type(_inner(plain.optimizer)).__name__
     if not _head_slots_fit(arrays, slots, names, kind):
@@ -103,15 +103,17 @@ def read_state(parallel, plain: keras.Model) -> None:
     parallel.compile(**config)
     source = _slot_table(plain.optimizer, _layers(plain))
     _copy(source, _slot_table(parallel.optimizer, _layers(parallel.trunk)))
-    names = parallel._dense_names  # pylint: disable=protected-access
+    names = parallel.dense_names
     slots = _head_slots(source[0], names)
     arrays = {head_state.KIND_KEY: head_state.encode_kind(type(_inner(plain.optimizer)).__name__),
               head_state.ITERATIONS_KEY: np.asarray(_inner(plain.optimizer).iterations.numpy())}
     for i, name in enumerate(names):
-        for part in ("kernel", "bias"):
-            for s, slot in enumerate(slots[f"{name}/{part}"]):
-                arrays[head_state.slot_key(i, part, s)] = slot.numpy()
-    parallel._restore_fc_slots(arrays)  # pylint: disable=protected-access
+        for s, slot in enumerate(slots[f"{name}/kernel"]):
+            arrays[head_state.slot_key(i, "kernel", s)] = slot.numpy()
+            bias = slots[f"{name}/bias"]  # none on a cosine layer: its zero bias has zero slots
+            arrays[head_state.slot_key(i, "bias", s)] = (
+                bias[s].numpy() if bias else np.zeros((slot.shape[-1],), np.float32))
+    parallel.restore_fc_slots(arrays)
 
 
 def is_resumable(model: keras.Model) -> bool:

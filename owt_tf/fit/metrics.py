@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
+from owt_tf.losses import MarginSoftmax
 from owt_tf.parallel.head.metrics import LOWEST, MAX_CLASSES, ShardedLoss, TopCandidates
 
 _ACCURACY_CLASSES = (keras.metrics.SparseCategoricalAccuracy, keras.metrics.CategoricalAccuracy)
@@ -50,11 +51,17 @@ def _cross_entropy(loss) -> Tuple[Optional[bool], dict]:
     return None, {}
 
 
-def sharded_loss(loss, output_activation: Optional[str],
-                 num_classes: int) -> Tuple[Optional[ShardedLoss], str]:
-    """(the ShardedLoss that equals the compiled `loss` on this head, "") or (None, why not)."""
+def sharded_loss(loss, output_activation: Optional[str], num_classes: int,
+                 cosine: bool = False) -> Tuple[Optional[ShardedLoss], str]:
+    """(the ShardedLoss that equals the compiled `loss` on this head, "") or (None, why not).
+    A margin loss (owt_tf.losses.MarginSoftmax) on a cosine class layer is computed on the
+    shards: each shard scales its own cosines, the margin on the label's shard."""
     if num_classes < 2 or num_classes >= MAX_CLASSES:
         return None, f"a head of {num_classes} classes"
+    if isinstance(loss, MarginSoftmax):
+        if not cosine:
+            return None, "a margin loss needs a cosine class layer"
+        return ShardedLoss(sparse=True, margin=loss), ""
     sparse, config = _cross_entropy(loss)
     if sparse is None:
         name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(
@@ -140,10 +147,10 @@ def metric_inputs(labels: tf.Tensor, outputs) -> Tuple[tf.Tensor, tf.Tensor]:
 
 
 def loss_on_shards(loss, metrics, weighted_metrics, output_activation: Optional[str],
-                   num_classes: int) -> Tuple[Optional[ShardedLoss], int, str]:
+                   num_classes: int, cosine: bool = False) -> Tuple[Optional[ShardedLoss], int, str]:
     """What a compile computes on the shards: (its ShardedLoss, the candidates per shard its
     metrics read, "") when both the loss and every metric allow it, else (None, 0, why not)."""
-    on_shards, why = sharded_loss(loss, output_activation, num_classes)
+    on_shards, why = sharded_loss(loss, output_activation, num_classes, cosine)
     if on_shards is None:
         return None, 0, why
     k, other = metric_top_k(metrics, weighted_metrics)

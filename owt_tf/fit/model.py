@@ -26,6 +26,7 @@ one-device model with the trained weights.
 """
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from typing import Dict, Optional
@@ -44,11 +45,27 @@ from owt_tf.fit.metrics import loss_on_shards
 from owt_tf.fit.saving import SavingMixin
 from owt_tf.fit.steps import StepsMixin
 from owt_tf.fit.view import HeadViewMixin
+from owt_tf.losses import MarginSoftmax
 from owt_tf.models.split import KerasSplit
+from owt_tf.parallel.gradients import TracedGradients
 from owt_tf.parallel.head.layout import HeadLoss
 from owt_tf.parallel.step import TrunkRunner
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.planner.plan import sampling_problem
+
+
+def _releasing_traced_gradients(loop):
+    """A Keras loop (fit, evaluate, ...) that, when it returns, drops from TensorFlow's
+    registry the custom gradients its steps' traces registered (owt_tf.parallel.gradients):
+    else every traced step graph lives as long as the process."""
+    @functools.wraps(loop)
+    def run(self, *args, **kwargs):
+        try:
+            return loop(self, *args, **kwargs)
+        finally:
+            self._traced_gradients.release()
+
+    return run
 
 
 def _count_batches(data: tf.data.Dataset) -> int:
@@ -97,6 +114,8 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
         self.head = hybrid.placement.place_head(plan, split.head, split.head_weights,
                                                 split.compute_dtype, provisional)
         self._trunk_runner = TrunkRunner(self.trunk, plan.jit)
+        # Outside Keras' attribute tracking: bookkeeping, not state of the model.
+        self.__dict__["_traced_gradients"] = TracedGradients(self)
         self._fc_optimizer: Optional[KerasShardOptimizer] = None
         self._pending_fc_slots: Optional[Dict[str, np.ndarray]] = None
         self.built = True
@@ -145,7 +164,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
                                               trunk_optimizer, rate_ratio(trunk_optimizer, fc_optimizer),
                                               own_schedule=fc_optimizer is not None)
         if self._pending_fc_slots is not None:
-            self._restore_fc_slots(self._pending_fc_slots)
+            self.restore_fc_slots(self._pending_fc_slots)
             self._pending_fc_slots = None
 
     def _loss_scaler(self) -> Optional[keras.optimizers.LossScaleOptimizer]:
@@ -158,8 +177,11 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
         else (None, 0). HybridStrategy(loss='sharded') insists on it, unless the planner
         chose it (scheme='auto': the compiled loss was not known then)."""
         spec = self.head.spec
+        if isinstance(loss, MarginSoftmax) and not spec.cosine:
+            raise CompileError(f"loss {loss.name!r} is a margin softmax: it reads cosines, so the "
+                               "model's class layer must be owt_tf.layers.NormalizedDense")
         on_shards, k, why = loss_on_shards(loss, metrics, weighted_metrics,
-                                           spec.output_activation, spec.num_classes)
+                                           spec.output_activation, spec.num_classes, spec.cosine)
         rate = self._hybrid.parallel_plan.sample_rate
         problem = sampling_problem(rate, on_shards is not None)
         if problem:
@@ -209,6 +231,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
 
 
     # -- Keras' loops, with static global batches ------------------------------------------
+    @_releasing_traced_gradients
     def fit(self, x=None, y=None, batch_size=None, epochs=1, *, validation_data=None,
             validation_split=0.0, shuffle=True, class_weight=None, sample_weight=None,
             validation_batch_size=None, **kwargs):
@@ -232,6 +255,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
             return super().fit(train, epochs=epochs, validation_data=validation_data,
                                shuffle=False, callbacks=callbacks, **kwargs)
 
+    @_releasing_traced_gradients
     def evaluate(self, x=None, y=None, batch_size=None, sample_weight=None, **kwargs):
         """Keras' evaluate over every row (the last batch padded with rows marked invalid)."""
         if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: already padded
@@ -241,6 +265,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
         self._fresh_function("test_function", data)
         return super().evaluate(self._fed(data, kwargs, "steps"), **kwargs)
 
+    @_releasing_traced_gradients
     def predict(self, x, batch_size=None, *, top_k: Optional[int] = None, **kwargs):
         """Keras' predict; every row, in order (the last batch padded, the padding dropped).
         `top_k`: (scores, class ids), each [rows, top_k], best first: the model's outputs for
@@ -262,6 +287,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
             self.predict_function = None  # traced for the other output
         self._predict_top_k = None if top_k is None else int(top_k)
 
+    @_releasing_traced_gradients
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
         """Keras' train_on_batch: one step on the global batch (x, y), each replica taking
@@ -271,6 +297,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
         self._hybrid.step_rounds(len(x) // self._hybrid.num_replicas)
         return self._one_batch("train_function", self.make_train_function, data, return_dict)
 
+    @_releasing_traced_gradients
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
         """Keras' test_on_batch over every row of (x, y), each replica taking its own rows."""
         data = keras_data.padded_batches(x, y, len(x), self._hybrid.num_replicas, True,

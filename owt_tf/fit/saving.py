@@ -26,19 +26,26 @@ class SavingMixin:
         """Every Dense layer of the head whole: [(kernel, bias), ...] as numpy arrays."""
         return self.head.full_weights(self._hybrid.placement.read_shards)
 
+    def _layer_weights(self) -> List[List[np.ndarray]]:
+        """Each head layer's weights as the user's layer holds them: [kernel, bias], or
+        [kernel] for a cosine layer (NormalizedDense has no bias)."""
+        return [[kernel, bias] if layer.use_bias else [kernel]
+                for layer, (kernel, bias) in zip(self.head.layers, self.fc_weights())]
+
     def get_weights(self) -> List[np.ndarray]:
-        """The trunk's weights, then each Dense layer's kernel and bias, whole (the order of
+        """The trunk's weights, then each head layer's kernel and bias, whole (the order of
         the user's model when its head is last); EarlyStopping's restore_best_weights uses it."""
-        return self.trunk.get_weights() + [w for pair in self.fc_weights() for w in pair]
+        return self.trunk.get_weights() + [w for ws in self._layer_weights() for w in ws]
 
     def set_weights(self, weights) -> None:
         n = len(self.trunk.get_weights())
         self.trunk.set_weights(weights[:n])
-        head = weights[n:]
+        head = list(weights[n:])
         state = {}
-        for i in range(len(self.head.layers)):
-            for j, part in enumerate(("kernel", "bias")):
-                state[head_state.weight_key(i, part)] = head[2 * i + j]
+        for i, layer in enumerate(self.head.layers):
+            state[head_state.weight_key(i, "kernel")] = head.pop(0)
+            state[head_state.weight_key(i, "bias")] = (
+                head.pop(0) if layer.use_bias else np.zeros((layer.out_dim,), np.float32))
         self._restore_head(state)
 
     def to_keras_model(self) -> keras.Model:
@@ -48,8 +55,8 @@ class SavingMixin:
         for layer in self.trunk.layers:
             if layer.weights:
                 plain.get_layer(layer.name).set_weights(layer.get_weights())
-        for name, (kernel, bias) in zip(self._dense_names, self.fc_weights()):
-            plain.get_layer(name).set_weights([kernel, bias])
+        for name, weights in zip(self._dense_names, self._layer_weights()):
+            plain.get_layer(name).set_weights(weights)
         return plain
 
     def save(self, filepath, overwrite=True, **kwargs):
@@ -76,7 +83,7 @@ class SavingMixin:
     def save_own_variables(self, store):
         """Each FC layer, and its optimizer slots, as whole tensors: the same file at any K."""
         super().save_own_variables(store)
-        for name, value in self._head_state().items():
+        for name, value in self.head_state().items():
             store[name] = value
 
     def load_own_variables(self, store):
@@ -86,7 +93,13 @@ class SavingMixin:
         state = {k: np.asarray(store[k]) for k in store.keys() if k.startswith("fc")}
         self._restore_head(state)
 
-    def _head_state(self) -> Dict[str, np.ndarray]:
+    @property
+    def dense_names(self) -> List[str]:
+        """The user's Dense layers of the head, in order."""
+        return list(self._dense_names)
+
+    def head_state(self) -> Dict[str, np.ndarray]:
+        """Every FC layer and its optimizer slots, whole (the same arrays at any K)."""
         return head_state.head_arrays(self.head, self._fc_optimizer, self._hybrid.placement.read_shards)
 
     def _restore_head(self, state: Dict[str, np.ndarray]) -> None:
@@ -96,9 +109,9 @@ class SavingMixin:
         if self._fc_optimizer is None:  # loaded before compile: applied by compile
             self._pending_fc_slots = state
         else:
-            self._restore_fc_slots(state)
+            self.restore_fc_slots(state)
 
-    def _restore_fc_slots(self, state: Dict[str, np.ndarray]) -> None:
+    def restore_fc_slots(self, state: Dict[str, np.ndarray]) -> None:
         """The FC optimizer's slots and step count, if they were saved by the same kind of
         optimizer with as many slots; else fresh ones are kept with a warning, as Keras does
         for an optimizer whose saved state does not match."""

@@ -38,7 +38,21 @@ class StepsMixin:
     """ParallelModel's train_step, test_step, predict_step and call."""
 
     # -- steps (traced by Keras inside strategy.run) --------------------------------------
+    # Each notes the custom gradients its trace registers, released when the Keras loop
+    # that traced it returns (owt_tf.parallel.gradients).
     def train_step(self, data):
+        with self._traced_gradients.recording():
+            return self._train_step(data)
+
+    def test_step(self, data):
+        with self._traced_gradients.recording():
+            return self._test_step(data)
+
+    def predict_step(self, data):
+        with self._traced_gradients.recording():
+            return self._predict_step(data)
+
+    def _train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         rows = self._static_rows(x)
         rounds = self._hybrid.step_rounds(rows)
@@ -89,7 +103,7 @@ class StepsMixin:
         scale = tf.math.divide_no_nan(tf.constant(float(total)), divisor)
         return [w * scale for w in raw], None if sample_weight is None else raw
 
-    def test_step(self, data):
+    def _test_step(self, data):
         x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
         weight, valid = weight if isinstance(weight, tuple) else (None, weight)
         logits = replica_logit_shard(True, self.head, self._trunk_runner.forward(False), x)
@@ -111,7 +125,7 @@ class StepsMixin:
             self._loss_metric().update_state(loss, sample_weight=count)
             return self._logs(self.compute_metrics(x, *metric_inputs(labels, outputs), weight))
 
-    def predict_step(self, data):
+    def _predict_step(self, data):
         x, valid = (data[0], data[1]) if isinstance(data, (tuple, list)) and len(data) > 1 else (
             data[0] if isinstance(data, (tuple, list)) else data, None)
         logits = replica_logit_shard(True, self.head, self._trunk_runner.forward(False), x)

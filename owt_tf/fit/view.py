@@ -102,8 +102,9 @@ class DenseView:
         self.name = name
         self.units = layer.out_dim
         self._layer, self._read = layer, read
+        parts = ("kernel", "bias") if layer.use_bias else ("kernel",)
         self.weights: List[WholeWeight] = [WholeWeight(layer, part, name, read)
-                                           for part in ("kernel", "bias")]
+                                           for part in parts]
         self.input_shape = (None, layer.in_dim)
         self.output_shape = (None, layer.out_dim)
         # What keras' summary reads to print a layer's output shape.
@@ -130,8 +131,8 @@ class DenseView:
     variables = trainable_variables = trainable_weights
 
     def get_weights(self) -> List[np.ndarray]:
-        """[kernel, bias], whole, as the user's Dense layer holds them."""
-        return list(_whole_layer(self._layer, self._read))
+        """[kernel, bias] ([kernel] for a cosine layer), whole, as the user's layer holds them."""
+        return list(_whole_layer(self._layer, self._read))[:len(self.weights)]
 
     def set_weights(self, weights) -> None:
         raise ReadOnlyView(_READ_ONLY.format(what=f"layer {self.name}"))

@@ -38,6 +38,9 @@ class HeadSpec:
     dropouts: Tuple[float, ...] = ()
     output_activation: str = "linear"
     names: Tuple[str, ...] = ()  # the FC layers' names (a user's model), for messages
+    # The class layer is a cosine layer (owt_tf.layers.NormalizedDense): L2-normalised rows
+    # times L2-normalised kernel columns, no bias; the model outputs the cosines.
+    cosine: bool = False
 
     def __post_init__(self):
         n = len(self.hidden)
@@ -49,6 +52,9 @@ class HeadSpec:
             if a not in HIDDEN_ACTIVATIONS:
                 raise ValueError(f"hidden FC activation {a!r} is not supported "
                                  f"(one of {', '.join(HIDDEN_ACTIVATIONS)})")
+        if self.cosine and self.output_activation != "linear":
+            raise ValueError("a cosine class layer outputs its cosines: output_activation "
+                             f"must be 'linear', got {self.output_activation!r}")
         if self.output_activation not in OUTPUT_ACTIVATIONS:
             raise ValueError(f"output activation {self.output_activation!r} is not supported "
                              f"(one of {', '.join(OUTPUT_ACTIVATIONS)})")

@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 import keras
 import numpy as np
 
+from owt_tf.layers import NormalizedDense
 from owt_tf.models.spec import OUTPUT_ACTIVATIONS, HeadSpec
 
 
@@ -48,8 +49,10 @@ class KerasSplit:
         gc.collect()  # Keras layers hold reference cycles
 
 
-_HEAD_TYPES = (keras.layers.Dense, keras.layers.Dropout, keras.layers.Activation,
-               keras.layers.ReLU, keras.layers.Softmax)
+# The layers the head's FC layers are: Dense, and a cosine class layer last.
+_FC_TYPES = (keras.layers.Dense, NormalizedDense)
+_HEAD_TYPES = _FC_TYPES + (keras.layers.Dropout, keras.layers.Activation, keras.layers.ReLU,
+                           keras.layers.Softmax)
 
 
 def _activation_name(layer) -> str:
@@ -59,6 +62,8 @@ def _activation_name(layer) -> str:
         return "relu" if plain else f"ReLU(max_value={layer.max_value}, ...)"
     if isinstance(layer, keras.layers.Softmax):
         return "softmax" if tuple(np.atleast_1d(layer.axis)) in ((-1,), (1,)) else "softmax(axis)"
+    if isinstance(layer, NormalizedDense):
+        return "linear"
     fn = layer.activation
     return getattr(fn, "__name__", str(fn))
 
@@ -90,7 +95,7 @@ def _head_chain(model: keras.Model) -> Tuple[List, object]:
             raise UnsupportedModel(f"layer {layer.name}: takes several inputs")
     # Dropout / Activation before the first Dense belong to the trunk (they see the
     # features, not an FC layer's output).
-    while chain and not isinstance(chain[0], keras.layers.Dense):
+    while chain and not isinstance(chain[0], _FC_TYPES):
         tensor = chain.pop(0).output
     if not chain:
         raise UnsupportedModel(f"model {model.name}: its output is not made by a Dense layer "
@@ -102,7 +107,9 @@ def _check_dense(layer, last: bool) -> None:
     reasons = []
     if not layer.trainable:
         reasons.append("a frozen (trainable=False) head layer is not supported")
-    if not layer.use_bias:
+    if isinstance(layer, NormalizedDense) and not last:
+        reasons.append("a NormalizedDense (cosine) layer is supported as the class layer only")
+    if not getattr(layer, "use_bias", True):
         reasons.append("use_bias=False is not supported")
     for attr in ("kernel_regularizer", "bias_regularizer", "activity_regularizer",
                  "kernel_constraint", "bias_constraint"):
@@ -121,13 +128,20 @@ def _check_dense(layer, last: bool) -> None:
         raise UnsupportedModel(f"layer {layer.name}: {reasons[0]}")
 
 
+def _bias_of(layer) -> np.ndarray:
+    """A layer's bias; a cosine layer has none: zeros, which its shards keep (never read)."""
+    if isinstance(layer, NormalizedDense):
+        return np.zeros((layer.units,), np.float32)
+    return np.asarray(layer.bias.numpy())
+
+
 def _head_spec(chain: List) -> Tuple[HeadSpec, List[str]]:
     """Dense widths, each hidden layer's activation and dropout, and the output activation."""
     dense: List = []
     activations: List[str] = []
     dropouts: List[float] = []
     for layer in chain:
-        if isinstance(layer, keras.layers.Dense):
+        if isinstance(layer, _FC_TYPES):
             dense.append(layer)
             activations.append(_activation_name(layer))
             dropouts.append(0.0)
@@ -154,13 +168,18 @@ def _head_spec(chain: List) -> Tuple[HeadSpec, List[str]]:
     spec = HeadSpec(hidden=tuple(int(d.units) for d in dense[:-1]),
                     num_classes=int(dense[-1].units), dropout=0.0,
                     activations=tuple(activations[:-1]), dropouts=tuple(dropouts[:-1]),
-                    output_activation=activations[-1], names=tuple(d.name for d in dense))
+                    output_activation=activations[-1], names=tuple(d.name for d in dense),
+                    cosine=isinstance(dense[-1], NormalizedDense))
     return spec, [d.name for d in dense]
 
 
 def _check_head_starts_at_first_dense(model: keras.Model, chain: List, features) -> None:
     """The head begins at the model's first Dense on a rank-2 input: a layer between it and
-    the final chain (BatchNormalization, a merge, ...) sits inside the head: refused."""
+    the final chain (BatchNormalization, a merge, ...) sits inside the head: refused. A
+    cosine class layer alone is the whole head: the Dense layers before it are the trunk's
+    (a face model's embedding block: FC to D, BatchNormalization)."""
+    if isinstance(chain[0], NormalizedDense):
+        return
     for layer in model.layers:
         if not isinstance(layer, keras.layers.Dense):
             continue
@@ -236,8 +255,8 @@ def split_keras_model(model: keras.Model, allow_float16: bool = False) -> KerasS
     if not allow_float16:
         _check_no_float16(model)
     spec, names = _head_spec(chain)
-    dense = [layer for layer in chain if isinstance(layer, keras.layers.Dense)]
-    weights = [(np.asarray(d.kernel.numpy()), np.asarray(d.bias.numpy())) for d in dense]
+    dense = [layer for layer in chain if isinstance(layer, _FC_TYPES)]
+    weights = [(np.asarray(d.kernel.numpy()), _bias_of(d)) for d in dense]
     trunk = keras.Model(inputs[0], features, name=f"{model.name}_trunk")
     return KerasSplit(trunk, spec, weights, names, tuple(inputs[0].shape[1:]),
                       dense[0].dtype_policy.compute_dtype)

@@ -152,15 +152,17 @@ def _class_sample(head: ShardedHead, labels: Sequence[tf.Tensor], shard: int, tr
 
 
 def _gradients(fwd: _Forward, sources: List[tf.Tensor],
-               cut_grads: List[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
+               cut_grads: List[Optional[tf.Tensor]],
+               unconnected=tf.UnconnectedGradients.NONE) -> List[Optional[tf.Tensor]]:
     """d (sum of the losses) / d sources, the deferred cuts' gradients fed in at their
-    `local` end."""
+    `local` end; a source the losses do not read gets None (or zeros: `unconnected`)."""
     targets, upstream = list(fwd.losses), [tf.ones_like(l) for l in fwd.losses]
     for cut, g in zip(fwd.cuts, cut_grads):
         if g is not None:
             targets.append(cut.local)
             upstream.append(g)
-    return fwd.tape.gradient(targets, sources, output_gradients=upstream)
+    return fwd.tape.gradient(targets, sources, output_gradients=upstream,
+                             unconnected_gradients=unconnected)
 
 
 def _deferred_backward(fwd: _Forward, shard_vars: List[tf.Variable]) -> List[tf.Tensor]:
@@ -175,7 +177,8 @@ def _deferred_backward(fwd: _Forward, shard_vars: List[tf.Variable]) -> List[tf.
             for j, grad in reversed(list(zip(group, received))):
                 if grad is not None:  # else the losses do not depend on it: nothing to send
                     cut_grads[j] = coll.backward_of_cut(fwd.cuts[j], grad)
-    return _gradients(fwd, fwd.inputs + shard_vars, cut_grads)
+    # A cosine class layer never reads its (zero) bias: its gradient is zero, not None.
+    return _gradients(fwd, fwd.inputs + shard_vars, cut_grads, tf.UnconnectedGradients.ZERO)
 
 
 def _cut_groups(cuts: Sequence[coll.Cut]) -> List[List[int]]:
@@ -220,7 +223,8 @@ def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_l
         for r in range(rounds.num_rounds):
             fwd = _forward(rounds, head, [r], [inputs[r]], [labels[r]], shard, training, seed, False,
                            loss_scale, None if weights is None else [weights[r]])
-            grads = fwd.tape.gradient(fwd.losses[0], [inputs[r]] + shard_vars)
+            grads = fwd.tape.gradient(fwd.losses[0], [inputs[r]] + shard_vars,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
             update = unscaled(grads[1:], loss_scale)
             apply_fc_update(update)
             applied.append(update)

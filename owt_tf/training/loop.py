@@ -23,6 +23,7 @@ from owt_tf.data.datasets import load_dataset
 from owt_tf.data.stats import settle_normalisation
 from owt_tf.devices import DeviceError, setup_devices
 from owt_tf.planner.plan import AUTO, PlanError
+from owt_tf.parallel.gradients import TracedGradients
 from owt_tf.parallel.precision import DynamicLossScale
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.driver import StepDriver
@@ -143,9 +144,13 @@ class Trainer:
         # Training images this process decoded (its own rows, and the candidates tried for
         # unreadable ones) and the global batches' images, since this Trainer started.
         self.decoded_images, self.batch_images = 0, 0
-        self._train_fn = tf.function(self._train_step)
-        self._eval_fn = tf.function(self._eval_step)
-        self._predict_fn = tf.function(lambda images: self.driver.predict_step(self.model, images))
+        # The custom gradients the traces below register, dropped from TensorFlow's registry
+        # once traced (owt_tf.parallel.gradients): the functions keep their graphs.
+        self._traced_gradients = TracedGradients(self)
+        self._train_fn = tf.function(self._traced(self._train_step))
+        self._eval_fn = tf.function(self._traced(self._eval_step))
+        self._predict_fn = tf.function(self._traced(
+            lambda images: self.driver.predict_step(self.model, images)))
         # fp16 undoes every step whose scaled gradients overflowed, as does --skip-nonfinite.
         snapshot = (StepSnapshot(self._state_variables(), strategy)
                     if config.run.skip_nonfinite or self.loss_scale is not None else None)
@@ -192,6 +197,15 @@ class Trainer:
         return variables
 
     # -- compiled bodies ------------------------------------------------------------------
+    def _traced(self, body: Callable) -> Callable:
+        """`body`, noting the custom gradients its trace registers; released after the
+        trace, when the call that traced it returns (no other trace is under way then)."""
+        def traced(*args, **kwargs):
+            with self._traced_gradients.recording():
+                return body(*args, **kwargs)
+
+        return traced
+
     def _train_step(self, images, labels, with_grads=False):
         seed = tf.stack([tf.constant(self.config.run.seed, tf.int64), self.step])
         out = self.driver.train_step(self.model, self.optimizer, images, labels,
@@ -212,6 +226,7 @@ class Trainer:
         unreadable = self._count_decodes(batch[3]) if len(batch) > 3 else 0
         self.policy.before_step()
         out = self._train_fn(images, labels, with_grads)
+        self._traced_gradients.release()
         outcome = self.policy.after_step(int(self.step), out["finite"].numpy(),
                                          self._stream_end(positions), unreadable)
         self._advance_data_position(outcome.end, outcome.unreadable)
@@ -247,6 +262,7 @@ class Trainer:
         totals = {"loss_sum": 0.0, "correct": 0, "correct_top5": 0, "count": 0}
         for images, labels in self._validation_input():
             out = self._eval_fn(images, labels)
+            self._traced_gradients.release()
             for key in totals:
                 totals[key] += out[key].numpy()
         n = int(totals["count"])
@@ -266,6 +282,7 @@ class Trainer:
             x = eval_preprocess(tf.constant(padded[start:start + batch]), size,
                                 self.dataset.mean, self.dataset.std)
             out.append(self._predict_fn(self.hybrid.placement.distribute_global_batch(x)).numpy())
+            self._traced_gradients.release()
         return np.concatenate(out)[:n]
 
     def fit(self, steps: Optional[int] = None, log: Callable[[str], None] = print,

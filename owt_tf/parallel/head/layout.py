@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from owt_tf.layers import l2_normalize
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel.head import sampling
 from owt_tf.parallel.head.metrics import ShardedLoss
@@ -58,9 +59,17 @@ class ShardedDense(tf.Module):
     """
 
     def __init__(self, name: str, kernel: np.ndarray, bias: np.ndarray, split: str,
-                 devices: Sequence[Optional[str]], local: Optional[Sequence[int]] = None):
+                 devices: Sequence[Optional[str]], local: Optional[Sequence[int]] = None,
+                 cosine: bool = False):
         super().__init__(name=name)
+        if cosine and split != COL:
+            raise ValueError(f"{name}: a cosine layer is split by columns (classes)")
         self.split = split
+        # A cosine layer (owt_tf.layers.NormalizedDense): each shard normalises its own
+        # columns (a column's norm is local to its shard) and the rows, which every replica
+        # holds whole; no bias (its variables stay zero and are never read).
+        self.cosine = cosine
+        self.use_bias = not cosine
         self.in_dim, self.out_dim = kernel.shape
         self.num_shards = k = len(devices)
         self.padded_out = padded(self.out_dim, k) if split == COL else self.out_dim
@@ -104,6 +113,9 @@ class ShardedDense(tf.Module):
         """x @ kernel + bias for every round's rows x, with every shard joined on this device
         (unpadded): what a one-device Dense layer with these weights computes."""
         kernel, bias = (tf.cast(v, xs[0].dtype) for v in self.joined_variables())
+        if self.cosine:
+            kernel = l2_normalize(kernel, axis=0)
+            return per_round(lambda x, i: tf.matmul(l2_normalize(x, axis=-1), kernel), xs, rounds)
         return per_round(lambda x, i: tf.matmul(x, kernel) + bias, xs, rounds)
 
     def forward_shard_rounds(self, xs: Sequence[tf.Tensor], k: int,
@@ -120,6 +132,10 @@ class ShardedDense(tf.Module):
         if columns is not None:
             kernel, bias = sampling.gather_columns(kernel, bias, columns)
         kernel, bias = (tf.cast(v, xs[0].dtype) for v in (kernel, bias))
+        if self.cosine:
+            products = _rounds_matmul([l2_normalize(x, axis=-1) for x in xs],
+                                      l2_normalize(kernel, axis=0), rounds)
+            return list(products)
         if self.split == ROW:
             width = self.out_dim // self.num_shards
             bias = tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])
@@ -244,7 +260,8 @@ class ShardedHead(tf.Module):
         self.compute_dtype = tf.as_dtype(compute_dtype)
         splits = layer_splits(len(spec.widths), fc_exchange)
         self.layers = [
-            ShardedDense(f"fc{i}", kern, bias, split, devices, local)
+            ShardedDense(f"fc{i}", kern, bias, split, devices, local,
+                         cosine=spec.cosine and i == len(spec.widths) - 1)
             for i, ((kern, bias), split) in enumerate(zip(full_weights, splits))
         ]
         self.local_shards: List[int] = self.layers[0].local_shards

@@ -106,20 +106,33 @@ def _sharded_cross_entropy(head, logits_shards, labels, k, per_round, sample=Non
     if sample is not None:
         valid = sample.valid
     loss = head.loss.sharded or ShardedLoss()
+    margin = loss.margin
+    cosines = logits_shards
+    if margin is not None:
+        # A cosine class layer's shards: s * cos (clamped as the margin loss clamps) is what
+        # the candidates are ranked by and the softmax is shifted by; the margin goes on the
+        # label's column, on the one shard that holds it (local_terms).
+        logits_shards = [margin.scale * tf.clip_by_value(c, -1.0, 1.0) for c in cosines]
     top = min(max(head.loss.candidates_k, 1), logits_shards[0].shape[1])
     tops = _top_gathered(head, logits_shards, k, per_round, top, sample)
     global_max = [tf.reduce_max(values, axis=1) for values, _ in tops]
 
     def local_terms(logits, r):
-        shifted = tf.where(valid[None, :], logits - global_max[r][:, None], -np.inf)
-        sums = [tf.reduce_sum(tf.exp(shifted), axis=1)]
         if loss.sparse:
             # Keras takes class ids as [n] or [n, 1], of any number type
             local_label = tf.reshape(tf.cast(labels[r], tf.int32), [-1]) - first
             mine = (local_label >= 0) & (local_label < width)
             column = sampling.label_positions(local_label, sample, width)
+            unmargined = tf.gather(logits, column, batch_dims=1)
+            if margin is not None:
+                logits = margin.logits(cosines[r], tf.where(mine, column, -1))
+        shifted = tf.where(valid[None, :], logits - global_max[r][:, None], -np.inf)
+        sums = [tf.reduce_sum(tf.exp(shifted), axis=1)]
+        if loss.sparse:
             picked = tf.gather(logits, column, batch_dims=1)
             sums.append(tf.where(mine, picked, tf.zeros_like(picked)))
+            if margin is not None:  # the label's own score, for top-1 correctness
+                sums.append(tf.where(mine, unmargined, tf.zeros_like(unmargined)))
         else:
             present = tf.where(valid[None, :], logits, 0.0)
             columns = sampling.sampled_label_columns(
@@ -136,7 +149,8 @@ def _sharded_cross_entropy(head, logits_shards, labels, k, per_round, sample=Non
     def cross_entropy(t, r):
         log_norm = tf.math.log(t[:, 0]) + global_max[r]
         if loss.sparse:
-            return log_norm - t[:, 1], t[:, 1] >= global_max[r], _candidates(head, tops[r], t, r, global_max)
+            score = t[:, 2] if margin is not None else t[:, 1]
+            return log_norm - t[:, 1], score >= global_max[r], _candidates(head, tops[r], t, r, global_max)
         # -sum_c y_c log softmax_c = log_norm * sum(y) - sum(y * logits), y smoothed as
         # Keras smooths it: y (1 - s) + s / classes.
         y = tf.cast(labels[r], tf.float32)

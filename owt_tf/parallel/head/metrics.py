@@ -17,10 +17,14 @@ LOWEST = tf.float32.min  # finite: tf.math.in_top_k says False for a row with an
 @dataclasses.dataclass(frozen=True)
 class ShardedLoss:
     """A cross-entropy the head computes on its shards: on class ids (`sparse`) or on rows
-    of class weights (one-hot or soft labels), with Keras' label smoothing."""
+    of class weights (one-hot or soft labels), with Keras' label smoothing; or a margin
+    softmax over a cosine class layer (`margin`: an object with `scale` and
+    `logits(cosines, labels)`, such as owt_tf.losses.MarginSoftmax, applied on each shard to
+    its own columns, the margin on the shard that holds the label)."""
 
     sparse: bool = True
     label_smoothing: float = 0.0
+    margin: Optional[Any] = None
 
 
 class TopCandidates(NamedTuple):

@@ -1,0 +1,115 @@
+"""`python -m owt_tf.bench --input prepared:DIR`: owt_tf's training pipeline reading a
+prepared set against bare `tf.io.decode_jpeg` of the originals it was made from (the
+manifest's source), in alternating rounds in one process.
+
+Each round times `--steps` batches of each pipeline from a fresh iterator after `--warmup`
+untimed ones (as `--input folder:PATH`, owt_tf.experiments.bench); five rounds, and the
+median round's images/s of each is reported, with the ratio of the medians. The training
+pipeline is the one `python -m owt_tf.train --dataset prepared:DIR` reads: global batches
+of B x max K augmented crops (random crop, flip, lighting, normalisation), at
+`--image-size` or the model's input. The bare decode reads the originals' records in
+training order, decodes each whole JPEG in a parallel map and keeps only its shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+from typing import Dict, List, Optional
+
+from owt_tf.config import ConfigError
+from owt_tf.experiments.bench import _timed_run, _write_json, build_parser
+
+ROUNDS = 5
+TRAINING, BARE = "training, prepared set", "bare decode_jpeg, originals"
+
+
+@dataclasses.dataclass
+class PreparedInputRecord:
+    dataset: str
+    source: str
+    pipeline: str
+    image_size: int
+    global_batch: int
+    images_per_round: int
+    rounds_images_per_sec: List[float]
+    images_per_sec: float  # the median round's
+    images_per_sec_per_core: float
+
+
+def _pipelines(args, side: int, global_batch: int):
+    """(prepared set, {pipeline name: tf.data pipeline}); ConfigError for an unusable one."""
+    import tensorflow as tf
+
+    from owt_tf.data.datasets import DatasetError, load_dataset
+
+    try:
+        prepared = load_dataset(args.input, (side, side, 3))
+        originals = load_dataset(prepared.manifest["source"], (side, side, 3),
+                                 data_dir=args.data_dir)
+        training = prepared.train(global_batch, seed=0)
+    except DatasetError as err:
+        raise ConfigError("--input", str(err)) from None
+
+    def decoded_shape(record, label):
+        # the originals' own reading (file, or record bytes), then bare decode_jpeg
+        return tf.shape(tf.io.decode_jpeg(originals._encoded_image(record), channels=3))
+
+    bare = originals._train_records(0, 0).map(decoded_shape, num_parallel_calls=tf.data.AUTOTUNE,
+                                              deterministic=True)
+    bare = bare.batch(global_batch, drop_remainder=True).prefetch(2)
+    return prepared, {TRAINING: training, BARE: bare}
+
+
+def run_prepared_input_bench(args) -> List[PreparedInputRecord]:
+    from owt_tf.models import build_model
+
+    side = args.image_size or build_model(args.model, args.classes).input_shape[0]
+    global_batch = args.batch_size * max(args.devices)
+    prepared, pipelines = _pipelines(args, side, global_batch)
+    rates: Dict[str, List[float]] = {name: [] for name in pipelines}
+    images = args.steps * global_batch
+    for _ in range(ROUNDS):
+        for name, dataset in pipelines.items():  # alternating: both see the same machine
+            rates[name].append(images / _timed_run(dataset, args.warmup, args.steps))
+    cores = len(os.sched_getaffinity(0))
+    return [PreparedInputRecord(args.input, prepared.manifest["source"], name, side,
+                                global_batch, images, [round(r, 1) for r in rates[name]],
+                                statistics.median(rates[name]),
+                                statistics.median(rates[name]) / cores) for name in pipelines]
+
+
+def format_prepared_table(records: List[PreparedInputRecord]) -> str:
+    first = records[0]
+    cores = len(os.sched_getaffinity(0))
+    lines = [f"{first.dataset} (prepared from {first.source}): {first.image_size}x"
+             f"{first.image_size}, global batch {first.global_batch}, {ROUNDS} alternating rounds "
+             f"of {first.images_per_round} images each, {cores} cores",
+             f"{'pipeline':30} {'img/s':>8} {'per core':>9}   rounds"]
+    for r in records:
+        rounds = " ".join(f"{v:.0f}" for v in r.rounds_images_per_sec)
+        lines.append(f"{r.pipeline:30} {r.images_per_sec:8.0f} {r.images_per_sec_per_core:9.0f}"
+                     f"   {rounds}")
+    rates = {r.pipeline: r.images_per_sec for r in records}
+    lines.append(f"prepared training / bare decode of the originals: "
+                 f"{rates[TRAINING] / rates[BARE]:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The bench's flags (owt_tf.experiments.bench.build_parser); --input prepared:DIR."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.devices = [int(k) for k in args.devices.split(",") if k]
+        if not args.devices or min(args.devices) < 1 or args.batch_size < 1 or args.steps < 1:
+            raise ConfigError("--devices", "K values, --batch-size and --steps must be >= 1")
+        records = run_prepared_input_bench(args)
+    except (ConfigError, ValueError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    print(format_prepared_table(records))
+    if args.out:
+        _write_json(args.out, records)
+    return 0
