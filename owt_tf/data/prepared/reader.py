@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from owt_tf.data import DatasetError
-from owt_tf.data.preprocess import crop_window, decode_train_crop, normalize
+from owt_tf.data.preprocess import normalize
 from owt_tf.data.stream import StreamDataset
 
 MANIFEST = "manifest.json"
@@ -228,19 +228,32 @@ class PreparedDataset(StreamDataset):
         return blocks.unbatch().skip(offset % block)
 
     def _train_crop(self, position, item, draws):
-        """The crop window of a stored image at the input's scale (a 256-pixel image and a
-        224 input) is decoded and nothing else: resizing a 224x224 crop to 224x224 would
-        cost half as much again as decoding it. Other windows: StreamDataset's way."""
-        if self.augment == "none":
+        """When the stored images are at the input's scale (shorter side 256 for a 224
+        input: `crop_window`'s windows are then the input's size, at whole-pixel offsets),
+        the window is computed in a few ops and decoded, and nothing else: no resize (of a
+        224x224 crop to 224x224: half as much again as decoding it), no tf.cond (a function
+        call per image). Other inputs: StreamDataset's way."""
+        if self.augment == "none" or not self._at_input_scale():
             return super()._train_crop(position, item, draws)
         encoded, label = item
-        size, channels = self.image_shape[:2], self.image_shape[-1]
-        window = crop_window(tf.io.extract_jpeg_shape(encoded)[:2], size, draws.corner)
-        crop = tf.cond(tf.reduce_all(tf.equal(window[2:], size)),
-                       lambda: tf.image.decode_and_crop_jpeg(encoded, window, channels=channels),
-                       lambda: decode_train_crop(encoded, size, channels, draws.corner))
+        size = tf.constant(self.image_shape[:2], tf.int32)
+        side = self.manifest["settings"]["side"]
+        if self.manifest["settings"]["crop"] == "center":
+            shape = tf.constant([side, side], tf.int32)
+        else:
+            shape = tf.io.extract_jpeg_shape(encoded)[:2]
+        room = shape - size + 1  # crop_window's offsets, per_pixel being 1
+        offset = tf.minimum(tf.cast(draws.corner * tf.cast(room, tf.float32), tf.int32), room - 1)
+        crop = tf.image.decode_and_crop_jpeg(encoded, tf.concat([offset, size], 0),
+                                             channels=self.image_shape[-1])
         crop = tf.ensure_shape(crop, self.image_shape)
         return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
+
+    def _at_input_scale(self) -> bool:
+        """Whether crop_window maps the stored images 1:1 (shorter side h*256/224)."""
+        h, w = self.image_shape[:2]
+        side = self.manifest["settings"].get("side")
+        return isinstance(side, int) and side * 224 == h * 256 and w <= side
 
     def validation_ten_crops(self, batch: int) -> tf.data.Dataset:
         """One pass over the validation split as (views [N, 10, h, w, C] normalised float32,

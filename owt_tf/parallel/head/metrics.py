@@ -5,7 +5,7 @@ What a Keras compile can compute so, and how Keras' metrics are fed: owt_tf.fit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
 
