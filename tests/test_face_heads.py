@@ -161,3 +161,114 @@ def test_mixed_bfloat16_with_scale_64_stays_finite(devices):
     losses = history["loss"]
     assert len(losses) == 40 and np.all(np.isfinite(losses)), losses
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def _trained_face_model(devices, k: int = 2):
+    reference = face_net(seed=6)
+    x, y = _data(2 * BATCH, seed=6)
+    strategy = owt_tf.HybridStrategy(devices=devices[:k], scheme="owt-b")
+    with strategy.scope():
+        parallel = owt_tf.parallelize(copy_of(reference), seed=0)
+        parallel.compile(optimizer=_sgd(), loss=ArcFace())
+    parallel.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    return parallel, x
+
+
+def _numpy_embeddings(plain: keras.Model, x: np.ndarray) -> np.ndarray:
+    features = keras.Model(plain.inputs, plain.get_layer("classes").input).predict(x, verbose=0)
+    return features / np.linalg.norm(features, axis=1, keepdims=True)
+
+
+def test_predict_embeddings_are_the_normalised_input_of_the_class_layer(devices):
+    parallel, x = _trained_face_model(devices)
+    rows = x[:37]  # not a multiple of the global batch: the last batch is padded
+    got = parallel.predict(rows, batch_size=BATCH, embeddings=True, verbose=0)
+    want = _numpy_embeddings(parallel.to_keras_model(), rows)
+    assert got.shape == (37, 16)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(parallel.embed(rows), want, rtol=1e-5, atol=1e-6)
+    # and the classes again after it: the predict step is traced anew for them
+    np.testing.assert_allclose(parallel.predict(rows, batch_size=BATCH, verbose=0),
+                               parallel.to_keras_model().predict(rows, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
+_LOAD_AND_RUN = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+loaded = tf.saved_model.load(sys.argv[1])
+x = np.load(sys.argv[2])
+out = {name: {k: v.numpy().tolist() for k, v in fn(inputs=tf.constant(x)).items()}
+       for name, fn in loaded.signatures.items()}
+print(json.dumps({"owt_tf_loaded": any(m.startswith("owt_tf") for m in sys.modules),
+                  "signatures": out}))
+"""
+
+
+def _load_in_fresh_process(path, x, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    np.save(tmp_path / "x.npy", x)
+    out = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(path), str(tmp_path / "x.npy")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_export_has_an_embeddings_signature_a_fresh_process_loads(devices, tmp_path):
+    """The SavedModel's `serving_default` gives the classes' cosines and `embeddings` the
+    normalised embedding, both equal to the trained model's, loaded without owt_tf; an
+    `embeddings_only` export has the embedding alone and no class layer in its variables."""
+    import tensorflow as tf
+
+    parallel, x = _trained_face_model(devices)
+    rows = x[:5]
+    plain = parallel.to_keras_model()
+    parallel.export(str(tmp_path / "full"))
+    parallel.export(str(tmp_path / "embedding"), embeddings_only=True)
+    full = _load_in_fresh_process(tmp_path / "full", rows, tmp_path)
+    assert not full["owt_tf_loaded"]
+    assert set(full["signatures"]) == {"serving_default", "embeddings"}
+    (served,) = full["signatures"]["serving_default"].values()
+    (embedded,) = full["signatures"]["embeddings"].values()
+    np.testing.assert_allclose(served, plain.predict(rows, verbose=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(embedded, _numpy_embeddings(plain, rows), rtol=1e-5, atol=1e-6)
+    only = _load_in_fresh_process(tmp_path / "embedding", rows, tmp_path)
+    # TF Serving needs a default signature: Keras makes it the embedding
+    assert set(only["signatures"]) == {"serving_default", "embeddings"}
+    for signature in only["signatures"].values():
+        (embedded_only,) = signature.values()
+        np.testing.assert_allclose(embedded_only, embedded, rtol=1e-6, atol=1e-7)
+    shapes = [tuple(s) for _, s in tf.train.list_variables(str(tmp_path / "embedding" / "variables" / "variables"))]
+    assert (16, CLASSES) not in shapes and (16, CLASSES) in [
+        tuple(s) for _, s in tf.train.list_variables(str(tmp_path / "full" / "variables" / "variables"))]
+
+
+def test_verification_callback_reads_the_parallelized_model(devices):
+    """owt_tf.callbacks.Verification on a parallelized model embeds through model.embed:
+    its accuracy equals the LFW protocol computed here from the one-device embeddings."""
+    from owt_tf.callbacks import Verification
+    from owt_tf.verification import VerificationPairs, pair_scores, ten_fold_accuracy
+
+    reference = face_net(seed=7)
+    x, y = _data(2 * BATCH, seed=7)
+    rng = np.random.default_rng(7)
+    first = rng.normal(size=(40, 8, 8, 3)).astype(np.float32)
+    second = np.where(np.arange(40)[:, None, None, None] % 2 == 0,
+                      first + 0.1 * rng.normal(size=first.shape).astype(np.float32),
+                      rng.normal(size=first.shape).astype(np.float32))
+    pairs = VerificationPairs(first, second, np.arange(40) % 2 == 0, name="toy")
+    strategy = owt_tf.HybridStrategy(devices=devices[:2], scheme="owt-b")
+    with strategy.scope():
+        parallel = owt_tf.parallelize(copy_of(reference), seed=0)
+        parallel.compile(optimizer=keras.optimizers.SGD(0.0), loss=ArcFace())
+    history = parallel.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
+                           callbacks=[Verification(pairs, batch_size=BATCH)]).history
+    plain = parallel.to_keras_model()
+    scores = pair_scores(_numpy_embeddings(plain, first), _numpy_embeddings(plain, second))
+    mean, _ = ten_fold_accuracy(scores, pairs.same)
+    assert history["val_toy_accuracy"][0] == pytest.approx(mean, abs=1e-9)
+    assert mean > 0.7  # near-duplicates against strangers: far from chance

@@ -266,18 +266,34 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
         return super().evaluate(self._fed(data, kwargs, "steps"), **kwargs)
 
     @_releasing_traced_gradients
-    def predict(self, x, batch_size=None, *, top_k: Optional[int] = None, **kwargs):
+    def predict(self, x, batch_size=None, *, top_k: Optional[int] = None,
+                embeddings: bool = False, **kwargs):
         """Keras' predict; every row, in order (the last batch padded, the padding dropped).
         `top_k`: (scores, class ids), each [rows, top_k], best first: the model's outputs for
         each row's top_k classes, found from each shard's own candidates without gathering
-        the [rows, classes] outputs."""
+        the [rows, classes] outputs. `embeddings`: each row's L2-normalised input of the
+        class layer (what a face model keeps), computed data-parallel: no shard is read."""
         data = keras_data.padded_batches(x, None, batch_size, self._hybrid.num_replicas, False)
+        if embeddings and top_k is not None:
+            raise ValueError("predict: top_k or embeddings, not both")
+        if embeddings and self.head.spec.hidden:
+            raise ValueError("predict(embeddings=True): the embedding is the class layer's "
+                             "input, which hidden FC layers compute on the shards; this head "
+                             f"has {len(self.head.spec.hidden)}")
         self._set_predict_top_k(top_k)
-        if top_k is None:
+        if embeddings != getattr(self, "_predict_embeddings", False):
+            self.predict_function = None  # traced for the other output
+        self._predict_embeddings = bool(embeddings)
+        if top_k is None and not embeddings:
             _warn_if_large(data, self.head.spec.num_classes)
         self._fresh_function("predict_function", data)
         out = super().predict(self._fed(data, kwargs, "steps"), **kwargs)
         return tuple(out) if top_k else out
+
+    def embed(self, images) -> np.ndarray:
+        """L2-normalised embeddings of `images` (predict(images, embeddings=True)): what
+        owt_tf.callbacks.Verification reads."""
+        return self.predict(images, embeddings=True, verbose=0)
 
     def _set_predict_top_k(self, top_k: Optional[int]) -> None:
         classes = self.head.spec.num_classes

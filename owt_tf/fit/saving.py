@@ -11,11 +11,32 @@ from typing import Dict, List
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from owt_tf.devices import outside_strategy_scope
 from owt_tf.fit import callbacks as keras_callbacks
 from owt_tf.fit import files as keras_files
+from owt_tf.layers import embedding_model, l2_normalize
 from owt_tf.parallel.head import state as head_state
+
+
+def write_embedding_archive(plain: keras.Model, class_layer: str, path: str,
+                            embeddings_only: bool) -> None:
+    """A SavedModel of `plain` (keras.export.ExportArchive) with `serving_default` (the
+    model's outputs) unless `embeddings_only`, and `embeddings` (the L2-normalised input of
+    layer `class_layer`); with `embeddings_only` only the embedding's variables are kept."""
+    embedding = embedding_model(plain, plain.get_layer(class_layer))
+    spec = tf.TensorSpec((None,) + tuple(plain.inputs[0].shape[1:]), plain.inputs[0].dtype,
+                         name="inputs")
+    archive = keras.export.ExportArchive()
+    archive.track(embedding if embeddings_only else plain)
+    if not embeddings_only:
+        archive.add_endpoint("serving_default", lambda x: plain(x, training=False),
+                             input_signature=[spec])
+    archive.add_endpoint(
+        "embeddings", lambda x: l2_normalize(tf.cast(embedding(x, training=False), tf.float32)),
+        input_signature=[spec])
+    archive.write_out(path, verbose=False)
 
 
 class SavingMixin:
@@ -76,9 +97,27 @@ class SavingMixin:
         with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
             return super().save_weights(path, overwrite=overwrite, **kwargs)
 
-    def export(self, filepath, format="tf_saved_model", **kwargs):
-        """The plain one-device model exported by Keras (a SavedModel by default)."""
-        return self.to_keras_model().export(filepath, format=format, **kwargs)
+    def export(self, filepath, format="tf_saved_model", *, embeddings_only: bool = False,
+               **kwargs):
+        """The plain one-device model exported by Keras (a SavedModel by default). A model
+        whose class layer is cosine (NormalizedDense) gets a second signature, `embeddings`:
+        the L2-normalised input of the class layer, from the same input as
+        `serving_default`. `embeddings_only`: that signature alone (also under the name
+        `serving_default`, which TF Serving needs), and the class layer left out of the file
+        (a face model is served by its embedding; a 10M-class head is GBs nobody serves)."""
+        plain = self.to_keras_model()
+        if not self.head.spec.cosine:
+            if embeddings_only:
+                raise ValueError("embeddings_only: the embedding is the input of a cosine "
+                                 "class layer (owt_tf.layers.NormalizedDense); this model's "
+                                 "class layer is a Dense")
+            return plain.export(filepath, format=format, **kwargs)
+        if format != "tf_saved_model":
+            raise ValueError(f"format {format!r}: a cosine model exports a SavedModel with an "
+                             "embeddings signature (format='tf_saved_model')")
+        with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
+            write_embedding_archive(plain, self._dense_names[-1], path, embeddings_only)
+        return filepath
 
     def save_own_variables(self, store):
         """Each FC layer, and its optimizer slots, as whole tensors: the same file at any K."""

