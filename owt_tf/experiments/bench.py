@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --big-head: comma-separated Partial FC sample rates owt_tf trains "
                         "at, each in its own process, e.g. 1,0.1 (step time and peak memory "
                         "of each rate over rate 1's printed)")
+    p.add_argument("--head", default="softmax", choices=("softmax", "arcface"),
+                   help="with --big-head: the class layer, a Dense softmax or a face model's "
+                        "cosine layer (NormalizedDense) trained with ArcFace")
+    p.add_argument("--first-step", action="store_true",
+                   help="time the first step (trace, compile, step) of --schemes at each K in "
+                        "--devices, each in a fresh process (--fc-batch applies to owt-b/c)")
     return p
 
 
@@ -369,6 +375,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.big_head:
         return _big_head_main(parser, args)
+    if args.first_step:
+        from owt_tf.experiments.first_step import run_first_step
+
+        records = run_first_step(args.model, args.schemes, args.fc_batch, args.devices,
+                                 args.batch_size, args.classes)
+        if args.out:
+            _write_json(args.out, records)
+        return 0 if records else 1
     if args.input:
         try:
             records = run_input_bench(args)
@@ -401,7 +415,8 @@ def _big_head_main(parser, args) -> int:
     runners = big_head.RUNNERS if args.baseline == "mirrored" else ("owt_tf",)
     k = args.devices[0]
     records = big_head.run_big_head(big_head.BigHeadArgs(
-        args.classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners, rates))
+        args.classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners, rates,
+        args.head))
     print(big_head.format_big_head_table(records))
     if args.out:
         big_head.write_json(args.out, records)

@@ -12,6 +12,9 @@ batch, after the warm-up ones) and the bytes one replica sends per step: owt_tf'
 byte ledger of the traced step, MirroredStrategy's as the ring all-reduce of every gradient.
 The parent prints both and the ratios owt_tf / MirroredStrategy side by side.
 
+`head` (bench's --head arcface): the face heads' class layer instead, a cosine layer
+(owt_tf.layers.NormalizedDense) trained with ArcFace (scale 64, margin 0.5).
+
 `sample_rates` (bench's --sample-rates 1,0.1): owt_tf trains once per Partial FC rate, each
 in its own process, one after the other, and the parent also prints each rate's step time
 and peak RSS over those of rate 1 (owt_tf.parallel.head.sampling).
@@ -55,32 +58,44 @@ class BigHeadRecord:
     loss_mode: Optional[str] = None  # owt_tf: model.head.loss_mode
     head_shards: Optional[int] = None  # owt_tf: the FC shards of the class layer
     sample_rate: float = 1.0  # owt_tf: Partial FC's share of each shard's classes per update
+    head: str = "softmax"  # the class layer: Dense + softmax, or "arcface" (cosine + ArcFace)
 
     @property
     def peak_growth_bytes(self) -> int:
         return self.peak_rss_bytes - self.baseline_rss_bytes
 
 
-def build_big_head_model(classes: int, features: int = FEATURES, side: int = IMAGE_SIDE):
+HEADS = ("softmax", "arcface")
+
+
+def build_big_head_model(classes: int, features: int = FEATURES, side: int = IMAGE_SIDE,
+                         head: str = "softmax"):
     """A small conv trunk (two convolutions, global average pooling to `features` values)
-    and a `Dense(classes)` softmax head: the head holds nearly every parameter."""
+    and a `Dense(classes)` softmax head, or a cosine `NormalizedDense(classes)` for ArcFace:
+    the head holds nearly every parameter."""
     import keras
 
+    from owt_tf.layers import NormalizedDense
+
     keras.utils.set_random_seed(0)
+    classifier = (NormalizedDense(classes, name="classes") if head == "arcface" else
+                  keras.layers.Dense(classes, activation="softmax", name="classes"))
     return keras.Sequential([
         keras.Input((side, side, 3)),
         keras.layers.Conv2D(64, 3, strides=2, activation="relu", name="conv1"),
         keras.layers.Conv2D(features, 3, activation="relu", name="conv2"),
         keras.layers.GlobalAveragePooling2D(name="pool"),
-        keras.layers.Dense(classes, activation="softmax", name="classes"),
+        classifier,
     ], name="big_head")
 
 
-def _compile(model) -> None:
+def _compile(model, head: str = "softmax") -> None:
     import keras
 
-    model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM),
-                  loss=keras.losses.SparseCategoricalCrossentropy())
+    from owt_tf.losses import ArcFace
+
+    loss = ArcFace() if head == "arcface" else keras.losses.SparseCategoricalCrossentropy()
+    model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM), loss=loss)
 
 
 def _synthetic_data(classes: int, rows: int, side: int = IMAGE_SIDE):
@@ -132,20 +147,19 @@ def _fit_and_time(model, classes: int, global_batch: int, warmup: int, steps: in
 
 
 def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
-               steps: int, scheme: str, sample_rate: float = 1.0) -> Dict:
+               steps: int, scheme: str, sample_rate: float = 1.0, head: str = "softmax") -> Dict:
     """`owt_tf.parallelize(model).fit`; the step's collectives counted while it is traced."""
     import gc
 
     import owt_tf
-    from owt_tf.parallel import collectives as coll
     from owt_tf.planner import ledger
 
-    plain = build_big_head_model(classes)  # outside the scope: not mirrored
+    plain = build_big_head_model(classes, head=head)  # outside the scope: not mirrored
     strategy = owt_tf.HybridStrategy(devices=list(devices), scheme=scheme,
                                      sample_rate=sample_rate)
     with strategy.scope():
         model = owt_tf.parallelize(plain, seed=0)
-        _compile(model)
+        _compile(model, head)
     del plain  # the user's one-device copy is no longer needed once split
     gc.collect()
     with ledger.recording(ledger.TrafficLedger()) as recorded:
@@ -158,17 +172,16 @@ def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: 
 
 
 def _train_mirrored(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
-                    steps: int) -> Dict:
+                    steps: int, head: str = "softmax") -> Dict:
     """Plain Keras `fit` under MirroredStrategy: every replica holds the whole model and
     all-reduces every gradient."""
     from owt_tf.devices import make_strategy
-    from owt_tf.parallel import collectives as coll
     from owt_tf.planner import ledger
 
     strategy = make_strategy(devices)
     with strategy.scope():
-        model = build_big_head_model(classes)
-        _compile(model)
+        model = build_big_head_model(classes, head=head)
+        _compile(model, head)
     timer = _fit_and_time(model, classes, global_batch, warmup, steps)
     head = model.get_layer("classes").trainable_variables
     trunk = [v for v in model.trainable_variables if all(v is not h for h in head)]
@@ -182,8 +195,6 @@ def _all_reduce_bytes(variables, k: int) -> float:
     """Bytes one replica sends to ring-all-reduce the gradients of `variables` over K."""
     import numpy as np
 
-    from owt_tf.parallel import collectives as coll
-
     from owt_tf.planner import ledger
 
     nbytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
@@ -191,7 +202,8 @@ def _all_reduce_bytes(variables, k: int) -> float:
 
 
 def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int, steps: int,
-              scheme: str = "owt-b", sample_rate: float = 1.0) -> BigHeadRecord:
+              scheme: str = "owt-b", sample_rate: float = 1.0,
+              head: str = "softmax") -> BigHeadRecord:
     """One runner's training, in this (fresh) process."""
     import tensorflow as tf
 
@@ -201,9 +213,9 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
     devices = setup_devices(k, "cpu")
     baseline = _proc_status_bytes("VmRSS")
     if runner == "owt_tf":
-        out = _train_owt(classes, devices, global_batch, warmup, steps, scheme, sample_rate)
+        out = _train_owt(classes, devices, global_batch, warmup, steps, scheme, sample_rate, head)
     else:
-        out = _train_mirrored(classes, devices, global_batch, warmup, steps)
+        out = _train_mirrored(classes, devices, global_batch, warmup, steps, head)
     timer = out.pop("timer")
     timed = timer.times[warmup:]
     return BigHeadRecord(
@@ -211,7 +223,7 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
         global_batch=global_batch, warmup=warmup, steps=len(timed),
         step_time_s=statistics.median(timed), step_times_s=timed,
         peak_rss_bytes=_proc_status_bytes("VmHWM"), baseline_rss_bytes=baseline,
-        losses=timer.losses, **out)
+        losses=timer.losses, head=head, **out)
 
 
 def _child_command(runner: str, args, out: str, sample_rate: float = 1.0) -> List[str]:
@@ -219,7 +231,7 @@ def _child_command(runner: str, args, out: str, sample_rate: float = 1.0) -> Lis
             "--classes", str(args.classes), "--devices", str(args.k),
             "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
             "--steps", str(args.steps), "--scheme", args.scheme,
-            "--sample-rate", repr(sample_rate), "--out", out]
+            "--sample-rate", repr(sample_rate), "--head", args.head, "--out", out]
 
 
 def run_in_fresh_process(runner: str, args, sample_rate: float = 1.0) -> Optional[BigHeadRecord]:
@@ -296,6 +308,7 @@ class BigHeadArgs:
     scheme: str = "owt-b"
     runners: Sequence[str] = RUNNERS
     sample_rates: Sequence[float] = (1.0,)  # owt_tf runs once per rate
+    head: str = "softmax"
 
 
 def run_big_head(args: BigHeadArgs) -> List[BigHeadRecord]:
@@ -328,13 +341,14 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--scheme", default="owt-b")
     p.add_argument("--sample-rate", type=float, default=1.0)
+    p.add_argument("--head", default="softmax", choices=HEADS)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from owt_tf.startup import start_tensorflow
 
     start_tensorflow()
     record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,
-                       a.scheme, a.sample_rate)
+                       a.scheme, a.sample_rate, a.head)
     with open(a.out, "w") as f:
         json.dump(dataclasses.asdict(record), f)
     return 0
