@@ -253,7 +253,9 @@ def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_l
                                     apply_fc_update)
         applied, input_grads, terms = [], [], []
         for r in range(rounds.num_rounds):
-            with tf.name_scope(f"fc_round{r}"):
+            # The first call traces the round: what it sends, it sends once per round.
+            with tf.name_scope(f"fc_round{r}"), (
+                    ledger.repeated(rounds.num_rounds) if r == 0 else contextlib.nullcontext()):
                 grad, update, term = one_round(inputs[r], labels[r], tf.constant(r),
                                                None if weights is None else weights[r])
             applied.append(update)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import threading
 from fractions import Fraction
 from typing import Dict, Iterator, List, Optional
 
@@ -95,9 +96,10 @@ class TrafficLedger:
         """`calls` = 0: bytes that ride in a collective counted under another purpose."""
         if purpose not in PURPOSES:
             raise ValueError(f"unknown traffic purpose {purpose!r}")
-        self.by_purpose[purpose] += nbytes
-        self.by_op[op] += nbytes
-        self.calls += calls
+        times = getattr(_repeats, "times", 1)
+        self.by_purpose[purpose] += nbytes * times
+        self.by_op[op] += nbytes * times
+        self.calls += calls * times
 
     @property
     def total(self) -> Fraction:
@@ -108,6 +110,20 @@ class TrafficLedger:
 
 
 _recording: List[TrafficLedger] = []
+# Per thread: how many times what is traced now runs per step (a function traced once and
+# called once per round).
+_repeats = threading.local()
+
+
+@contextlib.contextmanager
+def repeated(times: int) -> Iterator[None]:
+    """Collectives recorded in this thread inside the block run `times` times a step."""
+    before = getattr(_repeats, "times", 1)
+    _repeats.times = before * times
+    try:
+        yield
+    finally:
+        _repeats.times = before
 
 
 @contextlib.contextmanager
