@@ -77,13 +77,16 @@ def run_first_step(model: str, schemes: List[str], fc_batch: str, ks: List[int],
                       file=sys.stderr)
                 continue
             records.append(FirstStepRecord(**json.loads(out.stdout.strip().splitlines()[-1])))
-            print(format_table(records[-1:], header=len(records) == 1), flush=True)
+            lines = format_table(records).splitlines()  # each line as its K is done
+            print("\n".join(lines if len(records) == 1 else lines[-1:]), flush=True)
     return records
 
 
-def format_table(records: List[FirstStepRecord], header: bool = True) -> str:
-    lines = ([f"{'model':<13} {'scheme':<6} {'fc batch':<8} {'K':>3} {'first step s':>12} "
-              f"{'x K=first':>9} {'2nd step s':>10} {'graph ops':>9}"] if header else [])
+def format_table(records: List[FirstStepRecord]) -> str:
+    """One line per record; `x first K`: its first step over the same scheme's at the first
+    K measured."""
+    lines = [f"{'model':<13} {'scheme':<6} {'fc batch':<8} {'K':>3} {'first step s':>12} "
+             f"{'x first K':>9} {'2nd step s':>10} {'graph ops':>9}"]
     base = {}
     for r in records:
         base.setdefault((r.scheme, r.fc_batch), r.first_step_s)
