@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default="softmax", choices=("softmax", "arcface"),
                    help="with --big-head: the class layer, a Dense softmax or a face model's "
                         "cosine layer (NormalizedDense) trained with ArcFace")
+    p.add_argument("--keras-step", action="store_true",
+                   help="one model's step three ways, each in a fresh process: the CLI's, "
+                        "owt_tf.parallelize(model).fit and MirroredStrategy fit (the first "
+                        "of --schemes and --devices)")
     p.add_argument("--first-step", action="store_true",
                    help="time the first step (trace, compile, step) of --schemes at each K in "
                         "--devices, each in a fresh process (--fc-batch applies to owt-b/c)")
@@ -375,6 +379,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.big_head:
         return _big_head_main(parser, args)
+    if args.keras_step:
+        from owt_tf.experiments import keras_step
+
+        records = keras_step.run_keras_step(args.model, args.schemes[0], args.devices[0],
+                                            args.batch_size, args.classes, args.warmup,
+                                            args.steps)
+        print(keras_step.format_table(records))
+        if args.out:
+            _write_json(args.out, records)
+        return 0 if len(records) == len(keras_step.RUNNERS) else 1
     if args.first_step:
         from owt_tf.experiments.first_step import run_first_step
 
