@@ -18,7 +18,7 @@ from owt_tf.parallel.head.forward import forward, outputs as head_outputs
 from owt_tf.parallel.head.loss import top_k_outputs
 from owt_tf.parallel.schemes import round_weights
 from owt_tf.parallel.step import (replica_eval_terms, replica_logit_shard, replica_train_step,
-                                  shard_index, whole_logits)
+                                  shard_index, step_seed, whole_logits)
 from owt_tf.planner.plan import StepRounds
 
 
@@ -59,13 +59,13 @@ class StepsMixin:
         rounds = self._hybrid.step_rounds(rows)
         trunk_vars = self.trunk.trainable_variables
         step = tf.cast(self.optimizer.iterations, tf.int64) + self._step_offset
-        step_seed = tf.cast(tf.stack([tf.constant(self._seed, tf.int64), step]), tf.int32)
+        seed = step_seed(self._seed, step)
         weights, metric_weights = self._loss_weights(rounds, sample_weight, rows)
         scaler = self._loss_scaler()
         updates = StepUpdates(_inner(self.optimizer), trunk_vars, self._fc_optimizer, self._clip,
                            scaler)
         step = replica_train_step(rounds, self.head, self._trunk_runner.forward(True),
-                                  trunk_vars, x, y, step_seed, updates.trunk, updates.fc,
+                                  trunk_vars, x, y, seed, updates.trunk, updates.fc,
                                   None if scaler is None else scaler.dynamic_scale.value,
                                   weights)
         updates.finish(shard_index(rounds))

@@ -81,6 +81,13 @@ class ReplicaStep:
     trunk_loss: Optional[tf.Tensor]  # the trunk's extra loss (regularization), if any
 
 
+def step_seed(seed: int, step: tf.Tensor) -> tf.Tensor:
+    """The seed of optimizer step `step` of a run seeded by `seed` (int32 [2]): the head's
+    dropout masks and Partial FC's class samples follow it, so a resumed run draws what an
+    uninterrupted one would. The CLI's driver and Keras' train_step both take it here."""
+    return tf.cast(tf.stack([tf.constant(seed, tf.int64), tf.cast(step, tf.int64)]), tf.int32)
+
+
 def shard_index(rounds: StepRounds) -> int:
     """Which FC shard this replica holds: its replica id (model parallel) or the one copy."""
     return coll.replica_id() if rounds.model_parallel else 0
