@@ -1,16 +1,24 @@
-"""`python -m owt_tf.evaluate`: top-1 and top-5 error of a run or of an exported SavedModel.
+"""`python -m owt_tf.evaluate`: top-1 and top-5 error of a run or of an exported SavedModel,
+or face verification of an export's embeddings.
 
     python -m owt_tf.evaluate --logdir RUN            the run's latest checkpoint
     python -m owt_tf.evaluate --model EXPORT_DIR      a SavedModel from owt_tf.export
+    python -m owt_tf.evaluate --verification PAIRS EXPORT_DIR
+                                                      10-fold accuracy and TAR@FAR=1e-3
 
 on the run's validation split (its dataset is read from the run's config or the export's
 metadata), center crop, or `--ten-crop`: the mean of the softmax over the four corner
 crops, the center crop and their mirror images (AlexNet 2012).
+
+--verification reads the export's `embeddings` signature (a model trained with --objective
+arcface or cosface) with plain TensorFlow, no model code; PAIRS is an InsightFace `*.bin`
+(lfw.bin, cfp_fp.bin, ...) or `faces`, the embedded synthetic set's held-out pairs.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import os
 from typing import List, Optional
 
 from owt_tf.cli import OneLineParser, fail
@@ -26,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--logdir", help="a run directory (its latest checkpoint)")
     source.add_argument("--model", help="a SavedModel written by owt_tf.export (a version "
                         "directory, or its base path: the newest version)")
+    source.add_argument("--verification", nargs=2, metavar=("PAIRS", "EXPORT_DIR"),
+                        help="face verification of the export's embeddings signature on "
+                             "PAIRS: an InsightFace *.bin of pairs, or faces (the embedded "
+                             "set's held-out pairs): 10-fold accuracy and TAR@FAR=1e-3")
     parser.add_argument("--split", default="validation", choices=("validation", "train"))
     parser.add_argument("--ten-crop", action="store_true", help="average 10 crops per image")
     parser.add_argument("--verbose", action="store_true",
@@ -35,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verification:
+        return verification(*args.verification, verbose=args.verbose)
 
     # TensorFlow loads only now, after the flags were found good.
     start_tensorflow(args.verbose)
@@ -71,6 +85,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     crop = "10-crop" if args.ten_crop else "center crop"
     print(f"{dataset.name} {args.split} ({result['examples']} images, {crop}): "
           f"top-1 error {result['top1_error']:.2%}  top-5 error {result['top5_error']:.2%}")
+    return 0
+
+
+def verification(pairs_source: str, export_dir: str, verbose: bool = False) -> int:
+    """Prints the 10-fold accuracy (± its std over the folds) and TAR@FAR=1e-3 of the
+    export's embeddings on the pairs."""
+    if pairs_source != "faces" and not os.path.isfile(pairs_source):
+        return fail(PROG, f"--verification {pairs_source}: no such file (a *.bin of pairs, "
+                          "or faces)")
+    if not os.path.isdir(export_dir):
+        return fail(PROG, f"--verification {export_dir}: no such export directory")
+    start_tensorflow(verbose)
+    from owt_tf.training.evaluation import load_pairs
+    from owt_tf.training.files.serving import load_embeddings
+    from owt_tf.verification import verify
+
+    try:
+        size, embed = load_embeddings(export_dir)
+        pairs = load_pairs(pairs_source, size)
+        result = verify(embed, pairs, batch_size=256)
+    except (FileNotFoundError, ValueError) as err:  # ExportError, DatasetError: ValueErrors
+        return fail(PROG, err)
+    print(f"{pairs.name} ({result.pairs} pairs): verification accuracy {result.accuracy:.2%} "
+          f"± {result.accuracy_std:.2%} (10 folds) | TAR@FAR=1e-3 {result.tar:.2%}")
     return 0
 
 

@@ -4,12 +4,12 @@ Every image of SOURCE is rescaled so that its shorter side is 256 and its centra
 kept (AlexNet 2012, cuda-convnet2), stored as JPEG in TFRecord shards with its label, and
 described by DIR/manifest.json (classes in label order, counts, per-channel mean and
 spread, source, settings, the files that could not be read). Train with
-`python -m owt_tf.train --dataset prepared:DIR`: the same augmentation, a quarter of the
-decoding.
+`python -m owt_tf.train --dataset prepared:DIR`: the same augmentation, a third of the
+pixels of a 500x375 photo to decode.
 
-    python -m owt_tf.prepare folder:~/photos --out ~/photos_256
-    python -m owt_tf.prepare tfds:imagenet2012 --data-dir ~/tensorflow_datasets --out ~/in256
-    python -m owt_tf.prepare insightface:~/faces_emore --out ~/faces_256 --keep-aspect
+    python -m owt_tf.prepare folder:/data/photos --out /data/photos_256
+    python -m owt_tf.prepare folder:/data/photos --out /data/photos_keep --keep-aspect
+    python -m owt_tf.prepare tfds:imagenet2012 --data-dir /data/tfds --out /data/imagenet_256
 
 Runs on every core with a progress bar. Stopped (Ctrl-C, killed), the same command
 continues where it stopped and ends with the same shards. A file that does not decode is
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> Optional[str]:
     """What is wrong with the flags (before TensorFlow loads), or None."""
     kind, _, where = args.source.partition(":")
+    if kind != "tfds" and where.startswith("~"):  # the shell leaves a ~ after "folder:" alone
+        where = os.path.expanduser(where)
+        args.source = f"{kind}:{where}"
     if kind not in ("folder", "tfds", "insightface") or not where:
         return f"SOURCE {args.source!r}: give {SOURCE_HELP}"
     if kind != "tfds" and not os.path.isdir(where):
@@ -76,6 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     problem = check_args(args)
     if problem:
         parser.error(problem)
+    if not args.verbose:  # a file that does not decode is expected, and listed: no C++ log line
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     start_tensorflow(args.verbose)
     from owt_tf.data import DatasetError
     from owt_tf.data.prepared.writer import PrepareSettings, prepare
@@ -98,6 +103,9 @@ def report(result, out: str) -> None:
     m = result.manifest
     if result.already_done:
         print(f"{out} already holds this prepared set: nothing to do")
+    elif result.resumed_images:
+        print(f"resumed: {result.resumed_images} images had been prepared by a prepare that "
+              "stopped")
     shards = sum(len(m["splits"][s]["shards"]) for s in m["splits"])
     mean = ", ".join(f"{v:.1f}" for v in m["mean"])
     std = ", ".join(f"{v:.1f}" for v in m["std"])

@@ -252,7 +252,7 @@ def test_presets_are_configs_and_flags_override_them():
     from owt_tf.cli import parse_config
     from owt_tf.config import PRESETS, demo
 
-    assert demo() == RunConfig() and set(PRESETS) == {"demo", "imagenet-paper"}
+    assert demo() == RunConfig() and set(PRESETS) == {"demo", "imagenet-paper", "faces"}
     paper = imagenet_paper()
     assert (paper.model.model, paper.data.dataset, paper.parallel.fc_batch) == (
         "alexnet", "imagenet2012", "worker")

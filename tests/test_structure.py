@@ -10,7 +10,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "owt_tf"
 LIBRARY = ("planner", "parallel", "fit", "training", "models", "data", "config")
-ENTRY_POINTS = ("train", "evaluate", "export", "bench", "plan", "study", "launch")
+ENTRY_POINTS = ("train", "evaluate", "export", "bench", "plan", "study", "launch", "prepare")
 # The experiment drivers behind `python -m owt_tf.bench` / `owt_tf.study`, and the flag
 # parsing the entry points share, belong to the entry points' side too.
 FORBIDDEN = {f"owt_tf.{name}" for name in ENTRY_POINTS} | {"owt_tf.experiments", "owt_tf.cli"}

@@ -9,7 +9,7 @@
 Pure Python: the CLI checks its flags before TensorFlow loads.
 """
 from owt_tf.config.flags import ConfigError
-from owt_tf.config.presets import PRESETS, demo, imagenet_paper
+from owt_tf.config.presets import PRESETS, demo, faces, imagenet_paper
 from owt_tf.config.run import RunConfig, lr_scale, new_run_dir
 from owt_tf.config.sections import (AUGMENTATIONS, FLAG_FIELDS, LR_SCALINGS, LR_SCHEDULES,
                                     SECTIONS, ClusterConfig, DataConfig, ModelConfig,
@@ -17,7 +17,7 @@ from owt_tf.config.sections import (AUGMENTATIONS, FLAG_FIELDS, LR_SCALINGS, LR_
 from owt_tf.planner.plan import (AUTO, FC_BATCH_MODES, FC_EXCHANGES, LOSS_MODES, PRECISIONS,
                                  SCHEMES)
 
-__all__ = ["ConfigError", "PRESETS", "demo", "imagenet_paper", "RunConfig", "lr_scale",
+__all__ = ["ConfigError", "PRESETS", "demo", "faces", "imagenet_paper", "RunConfig", "lr_scale",
            "new_run_dir", "AUGMENTATIONS", "FLAG_FIELDS", "LR_SCALINGS", "LR_SCHEDULES",
            "SECTIONS", "ClusterConfig", "DataConfig", "ModelConfig", "OptimizerConfig",
            "ParallelConfig", "RunIOConfig", "flag_fields", "AUTO", "FC_BATCH_MODES",

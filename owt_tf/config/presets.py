@@ -25,4 +25,16 @@ def imagenet_paper() -> RunConfig:
         log_every=100, histogram_every=5000)
 
 
-PRESETS: Dict[str, Callable[[], RunConfig]] = {"demo": demo, "imagenet-paper": imagenet_paper}
+def faces() -> RunConfig:
+    """A first face-recognition run on a 2-core CPU: face_tiny (32x32, D=64) on the embedded
+    `faces` identities, ArcFace (s=64, m=0.5) on the class layer's shards (owt-b, K=2),
+    no dropout (arcface_torch trains without), verified on the held-out identities' pairs
+    at every validation."""
+    return RunConfig.from_flags(
+        environ={}, model="face_tiny", dataset="faces", objective="arcface", loss="sharded",
+        scheme="owt-b", devices=2, batch_size=64, dropout=0.0, lr=0.025, lr_batch=128,
+        momentum=0.9, weight_decay=5e-4, steps=300, eval_every=100, checkpoint_every=100)
+
+
+PRESETS: Dict[str, Callable[[], RunConfig]] = {"demo": demo, "imagenet-paper": imagenet_paper,
+                                               "faces": faces}

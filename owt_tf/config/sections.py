@@ -9,6 +9,7 @@ Pure Python: the CLI builds its parser from these before TensorFlow loads.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from owt_tf.cluster import DEVICE_TYPES, Cluster
@@ -21,6 +22,14 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 # digits and text are not symmetric); none (training sees the eval view); auto picks per
 # dataset (owt_tf.data.datasets.default_augmentation).
 AUGMENTATIONS = ("auto", "alexnet", "crop", "none")
+# --objective: what the class layer's outputs are trained with. softmax: cross-entropy of
+# the logits; arcface / cosface: a margin softmax of a cosine class layer (owt_tf.losses).
+OBJECTIVES = ("softmax", "arcface", "cosface")
+MARGIN_OBJECTIVES = OBJECTIVES[1:]
+# Each margin objective's default margin and its range [low, high) (owt_tf.losses checks
+# the same): ArcFace's angle in radians, CosFace's cosine.
+DEFAULT_MARGINS = {"arcface": 0.5, "cosface": 0.35}
+MARGIN_RANGES = {"arcface": (0.0, math.pi / 2), "cosface": (0.0, 1.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +39,33 @@ class ModelConfig:
     model: str = flag(
         "alexnet_tiny",
         "network: alexnet (the paper's, 224x224), vgg16 (224x224), their CPU-sized 32x32 "
-        "versions alexnet_tiny and vgg_tiny, or your own Keras model: PATH.keras or "
+        "versions alexnet_tiny and vgg_tiny, the face trunks iresnet18, iresnet50, "
+        "mobilefacenet (112x112) and face_tiny (32x32), or your own Keras model: PATH.keras or "
         "package.module:function (called with the class count; it returns a keras.Model "
         "split at its Dense head, with its own weights, activations and dropout)")
-    dropout: float = flag(0.5, "dropout rate after fc6 and fc7")
+    dropout: float = flag(0.5, "dropout rate after fc6 and fc7 (face models: before the "
+                               "embedding FC)")
+    embedding_dim: Optional[int] = flag(
+        None, "the embedding width D of a face model (iresnet18, iresnet50, mobilefacenet: "
+              "512; face_tiny: 64)", kind=int)
+    # The objective of the class layer: a margin softmax turns it into a cosine layer.
+    objective: str = flag(
+        "softmax", "softmax: cross-entropy of the class layer's logits; arcface / cosface: a "
+                   "margin softmax of a cosine class layer (face models become cosine; your "
+                   "own model must end in owt_tf.layers.NormalizedDense), computed on the "
+                   "shards: needs --loss sharded", choices=OBJECTIVES)
+    margin: Optional[float] = flag(
+        None, "the margin of --objective arcface (radians, in [0, pi/2); default 0.5) or "
+              "cosface (in [0, 1); default 0.35)", kind=float)
+    scale: float = flag(64.0, "the logit scale s of --objective arcface or cosface (> 0)")
+
+    @property
+    def margin_value(self) -> Optional[float]:
+        """The margin a margin objective trains with (--margin, else its default); None
+        under softmax."""
+        if self.objective not in MARGIN_OBJECTIVES:
+            return None
+        return DEFAULT_MARGINS[self.objective] if self.margin is None else self.margin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +175,10 @@ class RunIOConfig:
     export_dir: Optional[str] = flag(
         None, "at the end, export the trained model as a SavedModel to EXPORT_DIR/<n>/, n one "
               "past the newest version there (TF Serving's model base path)")
+    embeddings_only: bool = flag(
+        False, "with --export-dir and a cosine class layer (--objective arcface or cosface): "
+               "export the embedding alone, without the class layer (serving_default is then "
+               "the embeddings signature)")
     log_every: int = flag(10, "write training scalars to TensorBoard every N steps")
     histogram_every: int = flag(
         200, "write weight and gradient histograms every N steps (0: never)")

@@ -11,7 +11,7 @@ import os
 
 from owt_tf.config.flags import (ConfigError, as_flag_error, check_choice, check_decay_epochs,
                                  check_positive_int, check_profile_steps, flag_text)
-from owt_tf.config.sections import FLAG_FIELDS, flag_metadata
+from owt_tf.config.sections import FLAG_FIELDS, MARGIN_OBJECTIVES, MARGIN_RANGES, flag_metadata
 from owt_tf.planner.plan import AUTO, Scheme, check_auto_processes, sampling_problem, widths_problem
 
 
@@ -28,6 +28,7 @@ def validate_config(config) -> None:
             check_choice(flag_text(name), getattr(getattr(config, section), field), choices)
     check_optimizer(config)
     check_model_and_data(config)
+    check_objective(config)
     p = config.parallel
     check_positive_int("--devices", p.devices)
     check_positive_int("--batch-size", p.batch_size)
@@ -95,6 +96,41 @@ def check_model_and_data(config) -> None:
                           "augmented; use a folder:, tfds: or imagenet2012 dataset")
 
 
+def check_objective(config) -> None:
+    """--objective, --margin, --scale and --embedding-dim: a margin softmax needs a cosine
+    class layer (a face model, or the user's ending in NormalizedDense: checked when it is
+    loaded) and the loss on the shards; the embedding width is a face model's."""
+    from owt_tf.models.registry import EMBEDDING_MODELS
+    from owt_tf.models.user import is_user_model
+
+    m, p = config.model, config.parallel
+    user = is_user_model(m.model)
+    if m.embedding_dim is not None:
+        if user or m.model not in EMBEDDING_MODELS:
+            raise ConfigError("--embedding-dim", f"model {m.model} has no embedding to size; "
+                              f"it is for {', '.join(EMBEDDING_MODELS)}")
+        check_positive_int("--embedding-dim", m.embedding_dim)
+    if not (math.isfinite(m.scale) and m.scale > 0):
+        raise ConfigError("--scale", f"must be a number > 0, got {m.scale}")
+    if m.objective not in MARGIN_OBJECTIVES:
+        if m.margin is not None:
+            raise ConfigError("--margin", f"is the margin of --objective arcface or cosface, "
+                              f"not {m.objective}")
+        return
+    low, high = MARGIN_RANGES[m.objective]
+    if not low <= m.margin_value < high:  # NaN fails too
+        raise ConfigError("--margin", f"{m.objective}'s margin must be in [{low:g}, "
+                          f"{high:.4g}), got {m.margin_value}")
+    if not user and m.model not in EMBEDDING_MODELS:
+        raise ConfigError("--objective", f"{m.objective} trains a cosine class layer on an "
+                          f"embedding: use a face model ({', '.join(EMBEDDING_MODELS)}) or "
+                          "your own ending in owt_tf.layers.NormalizedDense, not "
+                          f"{m.model}")
+    if p.loss != "sharded" or p.scheme == AUTO:
+        raise ConfigError("--objective", f"{m.objective} puts its margin on the shard that "
+                          "holds the label: add --loss sharded (and a --scheme, not auto)")
+
+
 def check_dataset(dataset: str, names) -> None:
     """A known name, tfds:NAME, or PREFIX:PATH of an existing directory."""
     if dataset.startswith("tfds:"):
@@ -125,11 +161,20 @@ def check_model_fits(config) -> None:
 
 
 def check_run(config) -> None:
+    from owt_tf.models.user import is_user_model
+
     r = config.run
     if r.epochs is not None and not (math.isfinite(r.epochs) and r.epochs > 0):
         raise ConfigError("--epochs", f"must be a number > 0, got {r.epochs}")
     if r.export_dir and os.path.exists(r.export_dir) and not os.path.isdir(r.export_dir):
         raise ConfigError("--export-dir", f"{r.export_dir} exists and is not a directory")
+    if r.embeddings_only and not r.export_dir:
+        raise ConfigError("--embeddings-only", "shapes the export: add --export-dir DIR")
+    # A user's model is checked when it is loaded (Trainer): its class layer says.
+    if (r.embeddings_only and config.model.objective not in MARGIN_OBJECTIVES
+            and not is_user_model(config.model.model)):
+        raise ConfigError("--embeddings-only", "exports the input of a cosine class layer: "
+                          "train with --objective arcface or cosface")
     for flag_name, value in (("--log-every", r.log_every), ("--histogram-every", r.histogram_every),
                              ("--checkpoint-every", r.checkpoint_every),
                              ("--eval-every", r.eval_every),

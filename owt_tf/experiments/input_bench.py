@@ -8,7 +8,8 @@ median round's images/s of each is reported, with the ratio of the medians. The 
 pipeline is the one `python -m owt_tf.train --dataset prepared:DIR` reads: global batches
 of B x max K augmented crops (random crop, flip, lighting, normalisation), at
 `--image-size` or the model's input. The bare decode reads the originals' records in
-training order, decodes each whole JPEG in a parallel map and keeps only its shape.
+training order, decodes each whole JPEG (`tf.io.decode_jpeg`, nothing else) in a parallel
+map and keeps only its shape; an original that does not decode as a JPEG is passed over.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def _pipelines(args, side: int, global_batch: int):
 
     bare = originals._train_records(0, 0).map(decoded_shape, num_parallel_calls=tf.data.AUTOTUNE,
                                               deterministic=True)
-    bare = bare.batch(global_batch, drop_remainder=True).prefetch(2)
+    # an original that is no JPEG, or a broken one, is passed over as training passes it over
+    bare = bare.ignore_errors().batch(global_batch, drop_remainder=True).prefetch(2)
     return prepared, {TRAINING: training, BARE: bare}
 
 

@@ -98,10 +98,11 @@ class Placement:
             raise NotImplementedError(f"{what}: not available in a multi-worker run (each "
                                       "process holds only its own replicas' results)")
 
-    def build_model(self, plan: ParallelPlan, spec: ModelSpec, seed: int) -> DistributedModel:
+    def build_model(self, plan: ParallelPlan, spec: ModelSpec, seed: int,
+                    loss: Optional[HeadLoss] = None) -> DistributedModel:
         """Trunk mirrored on every device; FC shard k on devices[k] (or mirrored for 'data').
         Both compute in the plan's precision (a user's model: in its own dtype policy), with
-        float32 weights."""
+        float32 weights. The head computes `loss` (default: the plan's, place_head)."""
         problem = sampling_problem(plan.sample_rate, plan.loss == "sharded")
         if problem:
             raise PlanError("sample_rate", f"{problem}: needs loss='sharded'")
@@ -109,7 +110,7 @@ class Placement:
             trunk = spec.build_trunk()
         trunk_weights, full = spec.initial_weights_for(trunk, seed)
         trunk.set_weights(trunk_weights)
-        head = self.place_head(plan, spec.head, full, spec.compute_dtype)
+        head = self.place_head(plan, spec.head, full, spec.compute_dtype, loss)
         read = self.read_shards if plan.model_parallel else read_local_shards
         return DistributedModel(spec, trunk, head, read, TrunkRunner(trunk, plan.jit))
 
@@ -131,7 +132,7 @@ class Placement:
                 spec, full_weights, self.devices, plan.fc_exchange, loss,
                 local=self.local_replicas, compute_dtype=dtype))
         with self.strategy.scope():
-            return ShardedHead(spec, full_weights, [None], "gather", compute_dtype=dtype)
+            return ShardedHead(spec, full_weights, [None], "gather", loss, compute_dtype=dtype)
 
     def read_shards(self, per_shard: Dict[int, List[tf.Variable]]) -> List[List[np.ndarray]]:
         """Values of every FC shard's variables (the ShardReader of this strategy's models):

@@ -1,13 +1,17 @@
 """Top-1 and top-5 error of a model given as `predict(uint8 images) -> probabilities`: on
 the center crop, or AlexNet 2012's ten crops (four corners, the center and their mirror
-images, softmax averaged).
+images, softmax averaged); and face verification of a model given as `embed(uint8 images)
+-> embeddings` on the pair sets a dataset offers or a user names (`faces`, a `*.bin`).
 """
 from __future__ import annotations
 
-from typing import Callable, List
+import os
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+
+from owt_tf.verification import VerificationPairs, VerificationResult, verify
 
 
 def ten_crops(images: np.ndarray, size) -> List[np.ndarray]:
@@ -56,3 +60,38 @@ def softmax_predictor(trainer) -> Callable[[np.ndarray], np.ndarray]:
         return e / e.sum(axis=1, keepdims=True)
 
     return predict
+
+
+def dataset_pair_sets(dataset) -> List[VerificationPairs]:
+    """The verification pairs a dataset offers: `faces`' held-out identities, an
+    insightface:DIR's `*.bin` sets; none for other datasets."""
+    if hasattr(dataset, "verification_pairs"):
+        return [dataset.verification_pairs()]
+    if hasattr(dataset, "verification_sets"):
+        return list(dataset.verification_sets())
+    return []
+
+
+def load_pairs(source: str, image_size: Tuple[int, int]) -> VerificationPairs:
+    """`faces` (the embedded set's pairs at `image_size`) or an InsightFace `*.bin` file."""
+    from owt_tf.data.faces import faces_dataset
+    from owt_tf.data.insightface import read_verification_bin
+
+    if source == "faces":
+        return faces_dataset(tuple(image_size) + (3,)).verification_pairs()
+    if not os.path.isfile(source):
+        raise FileNotFoundError(f"--verification {source}: no such file (a *.bin of pairs, "
+                                "or 'faces')")
+    return read_verification_bin(source, tuple(image_size))
+
+
+def verify_sets(embed: Callable[[np.ndarray], np.ndarray], sets: Sequence[VerificationPairs],
+                batch_size: int = 256) -> Dict[str, VerificationResult]:
+    """Each pair set's 10-fold accuracy and TAR at FAR 1e-3, by set name."""
+    return {pairs.name: verify(embed, pairs, batch_size=batch_size) for pairs in sets}
+
+
+def verification_text(results: Dict[str, VerificationResult]) -> str:
+    """'faces 93.17% (TAR@FAR=1e-3 41.00%)', one entry per set."""
+    return ", ".join(f"{name} {r.accuracy:.2%} (TAR@FAR=1e-3 {r.tar:.2%})"
+                     for name, r in results.items())

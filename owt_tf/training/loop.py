@@ -25,16 +25,18 @@ from owt_tf.devices import DeviceError, setup_devices
 from owt_tf.planner.plan import AUTO, PlanError
 from owt_tf.parallel.gradients import TracedGradients
 from owt_tf.parallel.precision import DynamicLossScale
+from owt_tf.parallel.step import step_seed
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.training.driver import StepDriver
 from owt_tf.training.files.checkpoint import CONFIG_FILE, RunCheckpoints
 from owt_tf.training.optim import build_optimizer
 from owt_tf.training.files.rundir import RunDirLock, RunDirUnusable, check_writable
-from owt_tf.training.files.serving import export_saved_model
+from owt_tf.training.files.serving import export_trainer
 from owt_tf.training.schedule import lr_factor
 from owt_tf.training.guard import (Interrupted, SignalStop, StepSnapshot, WorkerLost,
                                    is_peer_failure)
-from owt_tf.training.assembly import model_spec
+from owt_tf.training.assembly import choose_scheme, head_loss, model_spec
+from owt_tf.training.evaluation import dataset_pair_sets, verification_text, verify_sets
 from owt_tf.training.input import failed_decodes, own_input, stream_end
 from owt_tf.training.progress import ProgressLines
 from owt_tf.training.report import EvalMetrics, StepMetrics, done_line, run_summary
@@ -100,14 +102,15 @@ class Trainer:
             started_before=os.path.exists(os.path.join(self.logdir, CONFIG_FILE)))
         self.spec = model_spec(config, self.dataset.num_classes)
         if self.hybrid.scheme == AUTO:
-            self.config = config = self._choose_scheme(config)
+            self.config = config = choose_scheme(self.hybrid, self.spec, config)
         try:
             self.hybrid.parallel_plan.check_widths(self.spec.head.hidden, self.hybrid.num_replicas,
                                                    self.spec.head.names[:-1] or None)
         except PlanError as err:
             raise ConfigError("--devices", f"model {config.model.model}: "
                               f"{str(err).split(': ', 1)[1]}") from None
-        self.model = self.hybrid.placement.build_model(self.hybrid.parallel_plan, self.spec, config.run.seed)
+        self.model = self.hybrid.placement.build_model(self.hybrid.parallel_plan, self.spec,
+                                                       config.run.seed, head_loss(config))
         self.driver = StepDriver(self.hybrid)
         self.optimizer = build_optimizer(self.hybrid, self.model, config.conv_lr, config.fc_lr,
                                          config.optimizer.momentum, config.optimizer.weight_decay)
@@ -151,6 +154,9 @@ class Trainer:
         self._eval_fn = tf.function(self._traced(self._eval_step))
         self._predict_fn = tf.function(self._traced(
             lambda images: self.driver.predict_step(self.model, images)))
+        self._embed_fn = tf.function(self._traced(
+            lambda images: self.driver.embed_step(self.model, images)))
+        self._pair_sets = None  # the dataset's verification pairs, read when first needed
         # fp16 undoes every step whose scaled gradients overflowed, as does --skip-nonfinite.
         snapshot = (StepSnapshot(self._state_variables(), strategy)
                     if config.run.skip_nonfinite or self.loss_scale is not None else None)
@@ -176,18 +182,6 @@ class Trainer:
         return own_input(self.hybrid.placement, self.dataset, self.config.parallel.batch_size,
                          stream_rows, whole_batches)
 
-    def _choose_scheme(self, config: RunConfig) -> RunConfig:
-        """--scheme auto: the planner's choice for this model, K, batch and hardware; the
-        config from here on, run_config.json included, names the scheme chosen, so that a
-        resumed or evaluated run sees a concrete one."""
-        from owt_tf.models.cost import spec_cost
-
-        choice = self.hybrid.choose_scheme(lambda: spec_cost(self.spec), self.spec.head.hidden,
-                                           config.model.model)
-        return config.replace(scheme=choice.scheme, fc_exchange=choice.fc_exchange,
-                              loss=choice.loss,
-                              fc_batch=self.hybrid.parallel_plan.fc_batch).validate()
-
     def _state_variables(self) -> List[tf.Variable]:
         """Every variable a step changes except the step counter: weights and optimizer state."""
         model, optim = self.model, self.optimizer
@@ -207,9 +201,9 @@ class Trainer:
         return traced
 
     def _train_step(self, images, labels, with_grads=False):
-        seed = tf.stack([tf.constant(self.config.run.seed, tf.int64), self.step])
         out = self.driver.train_step(self.model, self.optimizer, images, labels,
-                                     tf.cast(seed, tf.int32), with_grads=with_grads,
+                                     step_seed(self.config.run.seed, self.step),
+                                     with_grads=with_grads,
                                      loss_scale=None if self.loss_scale is None else self.loss_scale.scale)
         self.step.assign_add(1)
         return out
@@ -271,6 +265,19 @@ class Trainer:
 
     def predict_logits(self, images: np.ndarray) -> np.ndarray:
         """Logits of uint8 images [N, H, W, C] through the distributed model (eval mode)."""
+        return self._by_global_batches(self._predict_fn, images)
+
+    def embed(self, images: np.ndarray) -> np.ndarray:
+        """L2-normalised embeddings of uint8 images [N, H, W, C]: the trunk's output (the
+        class layer's input), each replica embedding its own rows (eval mode)."""
+        if self.spec.head.hidden:
+            raise ValueError(f"model {self.spec.name}: the class layer's input is computed by "
+                             "hidden FC layers on the shards; only a trunk's output embeds")
+        return self._by_global_batches(self._embed_fn, images)
+
+    def _by_global_batches(self, fn, images: np.ndarray) -> np.ndarray:
+        """`fn` of distributed global batches of `images`, eval-preprocessed (the last batch
+        padded, the padding dropped)."""
         from owt_tf.data.preprocess import eval_preprocess
 
         batch = self.config.global_batch_size
@@ -281,9 +288,19 @@ class Trainer:
         for start in range(0, len(padded), batch):
             x = eval_preprocess(tf.constant(padded[start:start + batch]), size,
                                 self.dataset.mean, self.dataset.std)
-            out.append(self._predict_fn(self.hybrid.placement.distribute_global_batch(x)).numpy())
+            out.append(fn(self.hybrid.placement.distribute_global_batch(x)).numpy())
             self._traced_gradients.release()
         return np.concatenate(out)[:n]
+
+    def verify(self) -> Dict[str, object]:
+        """VerificationResult by set name of the dataset's pair sets (faces, insightface's
+        *.bin), embedded by `embed`; none without pairs or without a trunk embedding."""
+        if self.spec.head.hidden:
+            return {}
+        if self._pair_sets is None:
+            self._pair_sets = dataset_pair_sets(self.dataset)
+        batch = self.config.global_batch_size * max(1, 256 // self.config.global_batch_size)
+        return verify_sets(self.embed, self._pair_sets, batch)
 
     def fit(self, steps: Optional[int] = None, log: Callable[[str], None] = print,
             progress: bool = True) -> Dict[str, float]:
@@ -316,7 +333,6 @@ class Trainer:
         verbose = (1 if sys.stdout.isatty() else 0) if progress else 0
         bar = ProgressLines(steps, verbose, log)
         log = bar.log
-        steps_per_epoch = self.dataset.num_train / config.global_batch_size
         val_history: List[List[float]] = []  # [epoch, val top-1 error] at every validation
         started = time.perf_counter()
         with SignalStop() as stop:
@@ -325,9 +341,7 @@ class Trainer:
                 history = self._train_steps(first, steps, summaries, bar, val_history, log)
                 wall = time.perf_counter() - started
                 saved = self.checkpoints.save(steps)
-                ev = self.evaluate()
-                summaries.validation(steps, ev.loss, ev.top1_error, ev.top5_error)
-                val_history.append([steps / steps_per_epoch, ev.top1_error])
+                ev, verified = self._validate(steps, summaries, val_history)
                 self._export(log)
                 self.hybrid.placement.wait_for_workers("fit_end")
             except tf.errors.OpError as err:
@@ -339,7 +353,7 @@ class Trainer:
                 summaries.close()
                 self.checkpoints.close()
                 self._release_rundir()
-        summary = run_summary(history, ev, steps, wall, val_history)
+        summary = run_summary(history, ev, steps, wall, val_history, verified)
         skipped = int(self.skipped_images)
         if skipped or int(self.skipped_steps):
             log(f"skipped {skipped} unreadable training images and {int(self.skipped_steps)} "
@@ -370,16 +384,13 @@ class Trainer:
         if not self.hybrid.placement.is_chief:
             self.model.full_weights()
             return
-        path = export_saved_model(self.model, self.dataset.mean, self.dataset.std,
-                                  self.config.run.export_dir, dataset=self.config.data.dataset,
-                                  class_names=self.dataset.label_names())
+        path = export_trainer(self, self.config.run.export_dir)
         log(f"exported SavedModel to {path}")
 
     def _train_steps(self, first: int, steps: int, summaries: RunSummaries, bar, val_history,
                      log) -> List[StepMetrics]:
         """Steps first..steps with periodic checkpoints and validation; stops on a signal."""
         config = self.config
-        steps_per_epoch = self.dataset.num_train / config.global_batch_size
         history: List[StepMetrics] = []
         for i in range(first, steps + 1):
             m = self._run_logged_step(i, steps, summaries)
@@ -395,12 +406,21 @@ class Trainer:
             if config.run.checkpoint_every and i % config.run.checkpoint_every == 0 and i < steps:
                 self.checkpoints.save(i)
             if config.run.eval_every and i % config.run.eval_every == 0 and i < steps:
-                ev = self.evaluate()
-                summaries.validation(i, ev.loss, ev.top1_error, ev.top5_error)
-                val_history.append([i / steps_per_epoch, ev.top1_error])
+                ev, verified = self._validate(i, summaries, val_history)
+                pairs = f" | verification {verification_text(verified)}" if verified else ""
                 log(f"step {i}/{steps}: train loss {m.loss:.4f} | val loss {ev.loss:.4f} "
-                    f"val top-1 error {ev.top1_error:.2%} | {m.images_per_sec:.0f} img/s")
+                    f"val top-1 error {ev.top1_error:.2%}{pairs} | {m.images_per_sec:.0f} img/s")
         return history
+
+    def _validate(self, step: int, summaries: RunSummaries, val_history) -> tuple:
+        """(EvalMetrics, verification results) at `step`, written to TensorBoard."""
+        ev = self.evaluate()
+        summaries.validation(step, ev.loss, ev.top1_error, ev.top5_error)
+        verified = self.verify()
+        summaries.verification(step, verified)
+        epochs = step * self.config.global_batch_size / self.dataset.num_train
+        val_history.append([epochs, ev.top1_error])
+        return ev, verified
 
     def _run_logged_step(self, i: int, steps: int, summaries: RunSummaries) -> StepMetrics:
         config = self.config

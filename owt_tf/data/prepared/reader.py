@@ -2,10 +2,11 @@
 
 The paper's step, done once: every image rescaled so that its shorter side is 256 and its
 central 256x256 cut out (or the whole rescaled image kept, `--keep-aspect`), stored as JPEG
-in TFRecord shards of `tf.train.Example`s {"image": JPEG bytes, "label": int64}, with a
-manifest (`manifest.json`): format and version, the source and the settings, the classes
-in label order, per-split counts and shards (records and bytes of each), the per-channel
-mean and spread of the stored training pixels, and the files that could not be read.
+in TFRecord shards of `tf.train.Example`s {"image": JPEG bytes, "label": int64, "source":
+the original's name (its path below the folder, its record key)}, with a manifest
+(`manifest.json`): format and version, the source and the settings, the classes in label
+order, per-split counts and shards (records and bytes of each), the per-channel mean and
+spread of the stored training pixels, and the files that could not be read.
 Training then decodes a 224x224 window of a 256x256 JPEG instead of most of a photo.
 
 This module owns the manifest's format (`read_manifest`: a missing, damaged or older one
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
@@ -55,8 +57,11 @@ def read_manifest(directory: str) -> dict:
     again = _prepare_again(directory)
     try:
         with open(path) as f:
-            manifest = json.load(f)
+            text = f.read()
+        manifest = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        source = re.search(r'"source": "([^"]+)"', text if "text" in locals() else "")
+        again = _prepare_again(directory, source.group(1) if source else None)
         raise DatasetError(f"{path} is damaged ({str(err).splitlines()[0]}): {again}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DatasetError(f"{path} is not the manifest of an owt_tf prepared set: {again}")

@@ -28,8 +28,9 @@ SOURCE_KINDS = ("folder:", "tfds:", "insightface:")
 class SplitSource:
     """One split of a source: `count` items; `items(start)`: (item, label) from item
     `start` on, in the order written; `encoded(item)`: its encoded image bytes (in graph);
-    `name_of(i)`: how item i is listed when it cannot be read; `item_at(i)`: item i alone
-    (None: no random access, unreadable items get no reason)."""
+    `name_of(i)`: item i's name in the source (a file's path below the folder, a record's
+    key, a TFDS split index), stored with its image and listed if it cannot be read;
+    `item_at(i)`: item i alone (None: no random access, unreadable items get no reason)."""
 
     count: int
     items: Callable[[int], tf.data.Dataset]
@@ -85,23 +86,30 @@ def _folder_source(root: str) -> Source:
     for split, split_dir in (("train", train_dir), ("validation", val_dir)):
         files, labels = [], []
         for label, name in enumerate(classes):
-            folder = os.path.join(split_dir, name)
-            found = sorted(f for f in os.listdir(folder) if not f.startswith(".")
-                           and os.path.isfile(os.path.join(folder, f))) if os.path.isdir(folder) else []
-            files += [os.path.join(folder, f) for f in found]
+            found = _files_in(os.path.join(split_dir, name))
+            files += found
             labels += [label] * len(found)
         order = _shuffled(len(files)) if split == "train" else np.arange(len(files))
-        splits[split] = _file_split(np.array(files, dtype=str)[order] if files else np.zeros(0, str),
+        splits[split] = _file_split(np.array(files, dtype=str).reshape(-1)[order],
                                     np.array(labels, np.int64)[order], root)
     return Source(f"folder:{root}", classes, splits)
+
+
+def _files_in(folder: str) -> List[str]:
+    """Every file of `folder` but hidden ones, sorted; none if there is no such folder."""
+    if not os.path.isdir(folder):
+        return []
+    return [os.path.join(folder, f) for f in sorted(os.listdir(folder))
+            if not f.startswith(".") and os.path.isfile(os.path.join(folder, f))]
 
 
 def _file_split(files: np.ndarray, labels: np.ndarray, root: str) -> SplitSource:
     def items(start):
         return tf.data.Dataset.from_tensor_slices((files[start:], labels[start:]))
 
-    listing = [[os.path.relpath(f, root), int(label)] for f, label in zip(files, labels)]
-    return SplitSource(len(files), items, tf.io.read_file, lambda i: str(files[i]), listing,
+    names = [os.path.relpath(f, root) for f in files]
+    listing = [[name, int(label)] for name, label in zip(names, labels)]
+    return SplitSource(len(files), items, tf.io.read_file, lambda i: names[i], listing,
                        lambda i: tf.constant(files[i]))
 
 
@@ -120,7 +128,7 @@ def _insightface_source(directory: str) -> Source:
                 (indices[start:], records.labels[indices[start:]].astype(np.int64)))
 
         def name_of(i, indices=indices):
-            return f"{records.rec.path}: key {int(records.keys[indices[i]])}"
+            return f"train.rec key {int(records.keys[indices[i]])}"
 
         listing = [[int(records.keys[i]), int(records.labels[i])] for i in indices]
         splits[split] = SplitSource(len(indices), items, data._encoded_image, name_of, listing,
@@ -144,6 +152,6 @@ def _tfds_source(name: str, data_dir: Optional[str]) -> Source:
 
         count = info.splits[tfds_split].num_examples
         splits[split] = SplitSource(count, items, lambda image: image,
-                                    lambda i, s=tfds_split: f"{name} {s}[{i}]",
+                                    lambda i, s=tfds_split: f"{s}[{i}]",
                                     [info.full_name, tfds_split, count])
     return Source(f"tfds:{name}", list(data.label_names()), splits)

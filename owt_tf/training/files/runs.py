@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 from owt_tf.config import ClusterConfig, RunConfig
 from owt_tf.training.files.checkpoint import CONFIG_FILE
 from owt_tf.training.loop import Trainer
-from owt_tf.training.files.serving import ExportError, export_saved_model
+from owt_tf.training.files.serving import ExportError, export_trainer
 
 
 def load_run(logdir: str) -> Trainer:
@@ -31,11 +31,14 @@ def load_run(logdir: str) -> Trainer:
     # One device in this process, whatever the run was (several workers included: the
     # cluster is not resolved, so none is joined); the run's own export target is not this
     # export's. No class sampling: it is a training device, and needs the sharded loss.
+    # A margin objective's loss is computed "on the shards" (here one: the same loss).
+    margin = recorded.model.margin_value is not None
     config = recorded.replace(scheme="single", devices=1, fc_batch="global",
-                              fc_exchange="gather", loss="gathered", sample_rate=1.0,
+                              fc_exchange="gather", loss="sharded" if margin else "gathered",
+                              sample_rate=1.0,
                               logdir=logdir,
                               batch_size=min(64, recorded.parallel.batch_size),
-                              export_dir=None)
+                              export_dir=None, embeddings_only=False)
     config = dataclasses.replace(config, cluster=ClusterConfig())
     trainer = Trainer(config, read_only=True)  # reads only: no lock, damaged ones left in place
     if trainer.resumed_from is None:
@@ -44,11 +47,10 @@ def load_run(logdir: str) -> Trainer:
 
 
 def export_run(logdir: str, base: str, version: Optional[int] = None,
-               overwrite: bool = False) -> Tuple[str, str]:
-    """The latest checkpoint of the run in `logdir` as the SavedModel `base/<version>/`.
-    Returns (the checkpoint exported, the SavedModel's path)."""
+               overwrite: bool = False, embeddings_only: bool = False) -> Tuple[str, str]:
+    """The latest checkpoint of the run in `logdir` as the SavedModel `base/<version>/`
+    (`embeddings_only`: the embedding alone). Returns (the checkpoint exported, the
+    SavedModel's path)."""
     trainer = load_run(logdir)
-    path = export_saved_model(trainer.model, trainer.dataset.mean, trainer.dataset.std,
-                              base, overwrite, trainer.config.data.dataset,
-                              trainer.dataset.label_names(), version)
+    path = export_trainer(trainer, base, overwrite, version, embeddings_only)
     return trainer.resumed_from, path

@@ -3,7 +3,10 @@
 `export_saved_model` writes a DistributedModel as a single-device SavedModel (FC shards
 assembled into whole layers) whose `serving_default` takes `images`, uint8 [N, H, W, C],
 does the eval preprocessing inside, and returns `probabilities` [N, classes], `top5`
-[N, 5] int64 and `top5_names`. It loads with plain `tf.saved_model.load`, without owt_tf,
+[N, 5] int64 and `top5_names`. A model whose class layer is cosine (a face model) has a
+second signature, `embeddings`: the same `images` to `embeddings` [N, D], the
+L2-normalised trunk output (the class layer's input); `embeddings_only` leaves the class
+layer out, and `serving_default` is then the embeddings signature. It loads with plain `tf.saved_model.load`, without owt_tf,
 and in TF Serving, TFLite and ONNX. Versions follow TF Serving's model base path layout,
 `BASE/<version>/`; a version is staged in a directory TF Serving ignores and renamed into
 place, so a crash never leaves half a model. `load_export` reads one back with the dataset
@@ -24,11 +27,13 @@ import tensorflow as tf
 from owt_tf.data.arrays import ArrayDataset
 from owt_tf.data.datasets import load_dataset
 from owt_tf.data.preprocess import eval_preprocess
+from owt_tf.layers import l2_normalize
 from owt_tf.parallel.head.forward import forward
 from owt_tf.parallel.head.layout import ShardedHead
 
 EXPORT_METADATA = "owt_tf_export.json"
 EXPORT_SIGNATURE = "serving_default"
+EMBEDDINGS_SIGNATURE = "embeddings"
 
 
 class ExportError(ValueError):
@@ -67,7 +72,8 @@ def latest_version(path: str) -> str:
 
 
 def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
-                          class_names: Optional[Sequence[str]] = None):
+                          class_names: Optional[Sequence[str]] = None,
+                          embeddings_only: bool = False, logit_scale: float = 1.0):
     """A `keras.export.ExportArchive` of `model` on one device: the trunk cloned, the FC layers
     as a one-shard ShardedHead (the same forward pass training and evaluation run), both in
     float32 whatever the training precision (`float32_clone`).
@@ -78,11 +84,38 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
     Serving and `saved_model_cli run` do not (keras-team/keras#20095,
     tensorflow/tensorflow#72963, tensorflow/serving#2226); TFLite then also keeps the trunk
     as uninitialised variables and returns NaN.
+
+    A cosine class layer adds the `embeddings` endpoint (`embeddings_only`: it alone, no
+    FC layer read or written); its probabilities are the softmax of `logit_scale` times the
+    cosines (a margin objective's scale s: its logits without the margin).
     """
     spec = model.spec
+    if embeddings_only and not spec.head.cosine:
+        raise ExportError("--embeddings-only: the class layer is not cosine "
+                          "(owt_tf.layers.NormalizedDense): the model has no embedding")
     trunk = float32_clone(model.trunk)
-    head = ShardedHead(spec.head, model.full_weights()["head"], [None])
     height, width, channels = spec.input_shape
+    images_spec = tf.TensorSpec([None, None, None, channels], tf.uint8, name="images")
+
+    def embed(images):
+        features = trunk(eval_preprocess(images, (height, width), mean, std), training=False)
+        return {"embeddings": l2_normalize(tf.cast(features, tf.float32), axis=-1)}
+
+    archive = keras.export.ExportArchive()
+    archive.track(trunk)
+    if spec.head.cosine:  # Keras names the first endpoint serving_default too, unless given
+        archive.add_endpoint(EMBEDDINGS_SIGNATURE, embed, input_signature=[images_spec])
+    if not embeddings_only:
+        _add_classes(archive, model, trunk, (mean, std), class_names, images_spec, logit_scale)
+    return archive
+
+
+def _add_classes(archive, model, trunk, normalization, class_names, images_spec,
+                 logit_scale: float) -> None:
+    """`serving_default`: probabilities, top5 and top5_names of the whole FC head."""
+    spec = model.spec
+    head = ShardedHead(spec.head, model.full_weights()["head"], [None])
+    height, width, _ = spec.input_shape
     classes = spec.head.num_classes
     names = list(class_names) if class_names else [str(i) for i in range(classes)]
     if len(names) != classes:
@@ -90,22 +123,18 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
     label_names = tf.constant(names)
 
     def serve(images):
-        x = eval_preprocess(images, (height, width), mean, std)
+        x = eval_preprocess(images, (height, width), *normalization)
         logits = forward(head, trunk(x, training=False), None, False, None)
-        probabilities = tf.nn.softmax(logits)
+        probabilities = tf.nn.softmax(logit_scale * logits)
         top5 = tf.math.top_k(probabilities, k=min(5, classes)).indices
         return {"probabilities": probabilities, "top5": tf.cast(top5, tf.int64),
                 "top5_names": tf.gather(label_names, top5)}
 
-    archive = keras.export.ExportArchive()
-    archive.track(trunk)
     archive.track(head)
     # The whole FC layers, [kernel0, bias0, kernel1, ...], for readers of the SavedModel.
     archive.add_variable_collection("fc_layers", [v for layer in head.layers
                                                   for v in layer.shard_variables(0)])
-    archive.add_endpoint(EXPORT_SIGNATURE, serve, input_signature=[
-        tf.TensorSpec([None, None, None, channels], tf.uint8, name="images")])
-    return archive
+    archive.add_endpoint(EXPORT_SIGNATURE, serve, input_signature=[images_spec])
 
 
 def float32_clone(trunk: keras.Model) -> keras.Model:
@@ -138,14 +167,17 @@ def _make_readable(path: str, files: bool = True) -> None:
 def export_saved_model(model, mean: Sequence[float], std: Sequence[float], base: str,
                        overwrite: bool = False, dataset: Optional[str] = None,
                        class_names: Optional[Sequence[str]] = None,
-                       version: Optional[int] = None) -> str:
+                       version: Optional[int] = None, embeddings_only: bool = False,
+                       logit_scale: float = 1.0) -> str:
     """Writes the SavedModel of `model` (a DistributedModel) as `base/<version>/`, atomically
-    (staged under `base` in a directory TF Serving ignores, then renamed). Returns its path."""
+    (staged under `base` in a directory TF Serving ignores, then renamed). Returns its path.
+    `embeddings_only`, `logit_scale`: as build_serving_archive takes them."""
     out = os.path.abspath(version_path(base, version, overwrite))
+    archive = build_serving_archive(model, mean, std, class_names, embeddings_only,
+                                    logit_scale)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     _make_readable(parent, files=False)
-    archive = build_serving_archive(model, mean, std, class_names)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         archive.write_out(staging, verbose=False)
@@ -153,6 +185,7 @@ def export_saved_model(model, mean: Sequence[float], std: Sequence[float], base:
             json.dump({"model": model.spec.name, "num_classes": model.spec.head.num_classes,
                        "input_shape": list(model.spec.input_shape), "dataset": dataset,
                        "class_names": list(class_names or []) or None,
+                       "embeddings_only": embeddings_only,
                        "mean": list(mean),
                        "std": list(std)}, f, indent=1)
         _make_readable(staging)
@@ -167,6 +200,44 @@ def export_saved_model(model, mean: Sequence[float], std: Sequence[float], base:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def export_trainer(trainer, base: str, overwrite: bool = False, version: Optional[int] = None,
+                   embeddings_only: Optional[bool] = None) -> str:
+    """A Trainer's model as export_saved_model writes it: its dataset's normalisation and
+    class names, its margin objective's scale; `embeddings_only` None: the run's flag."""
+    config, dataset = trainer.config, trainer.dataset
+    m = config.model
+    if embeddings_only is None:
+        embeddings_only = config.run.embeddings_only
+    return export_saved_model(trainer.model, dataset.mean, dataset.std, base, overwrite,
+                              config.data.dataset, dataset.label_names(), version,
+                              embeddings_only, m.scale if m.margin_value is not None else 1.0)
+
+
+def load_embeddings(path: str) -> Tuple[Tuple[int, int], Callable[[np.ndarray], np.ndarray]]:
+    """An export's `embeddings` signature (a version directory, or a base path: its newest
+    version), read with plain `tf.saved_model.load` (no model code): the model's input size
+    (its metadata's; 112x112 without) and `embed(uint8 images) -> embeddings`."""
+    path = latest_version(path)
+    if not os.path.exists(os.path.join(path, "saved_model.pb")):
+        raise ExportError(f"{path}: no SavedModel there (no saved_model.pb)")
+    signatures = tf.saved_model.load(path).signatures
+    if EMBEDDINGS_SIGNATURE not in signatures:
+        raise ExportError(f"{path} has no '{EMBEDDINGS_SIGNATURE}' signature (only "
+                          f"{', '.join(signatures)}): export a model trained with --objective "
+                          "arcface or cosface")
+    size = (112, 112)
+    meta_path = os.path.join(path, EXPORT_METADATA)
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            size = tuple(json.load(f)["input_shape"][:2])
+    signature = signatures[EMBEDDINGS_SIGNATURE]
+
+    def embed(x):
+        return signature(images=tf.constant(x))["embeddings"].numpy()
+
+    return size, embed
 
 
 def load_export(path: str) -> Tuple[ArrayDataset, Tuple[int, int],

@@ -23,6 +23,10 @@ BYTES_PER_STEP = "comm/bytes_per_step"
 SKIPPED_IMAGES = "data/skipped_images"  # training images that could not be decoded, in all
 SKIPPED_NONFINITE = "train/skipped_nonfinite"  # steps undone for a non-finite loss or gradient
 LOSS_SCALE = "train/loss_scale"  # --precision fp16: the dynamic loss scale
+# Face verification of the dataset's pairs (the mean over its pair sets; with several sets
+# each one's also under <tag>/<set name>).
+VAL_VERIFICATION = "val/verification_accuracy"
+VAL_TAR = "val/tar_at_far_1e-3"
 CONTRACT_TAGS = (TRAIN_LOSS, TRAIN_TOP1, VAL_LOSS, VAL_TOP1, VAL_TOP5, LR_CONV, LR_FC,
                  IMAGES_PER_SEC, BYTES_PER_STEP)
 
@@ -69,6 +73,18 @@ class RunSummaries:
             tf.summary.scalar(VAL_LOSS, loss, step=step)
             tf.summary.scalar(VAL_TOP1, top1_error, step=step)
             tf.summary.scalar(VAL_TOP5, top5_error, step=step)
+        self.writer.flush()
+
+    def verification(self, step: int, results: Dict[str, object]) -> None:
+        """`results`: VerificationResult by pair set name."""
+        if not results:
+            return
+        with self.writer.as_default():
+            for tag, field in ((VAL_VERIFICATION, "accuracy"), (VAL_TAR, "tar")):
+                values = {name: getattr(r, field) for name, r in results.items()}
+                tf.summary.scalar(tag, float(np.mean(list(values.values()))), step=step)
+                for name, value in values.items() if len(values) > 1 else ():
+                    tf.summary.scalar(f"{tag}/{name}", value, step=step)
         self.writer.flush()
 
     def histograms(self, step: int, kind: str, named: Iterable[Tuple[str, np.ndarray]]) -> None:
