@@ -109,3 +109,32 @@ def test_big_head_rejects_a_sample_rate_outside_zero_to_one():
     proc = subprocess.run([sys.executable, "-m", "owt_tf.bench", "--big-head", "--sample-rates",
                            "1,1.5"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--sample-rates: must be a number in (0, 1]" in proc.stderr
+
+
+@pytest.mark.slow
+def test_first_step_and_keras_step_benchmarks_write_their_records(tmp_path):
+    """`--first-step` times each K's first step in a fresh process (the graph of K=4 larger
+    than K=2's: more replicas); `--keras-step` runs the CLI's step, parallelize(...).fit and
+    MirroredStrategy fit, each in its own process, and prints their ratios."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    first = tmp_path / "first.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "owt_tf.bench", "--first-step", "--devices", "2,4", "--schemes",
+         "owt-b", "--fc-batch", "worker", "--batch-size", "4", "--classes", "10",
+         "--out", str(first)], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two, four = json.loads(first.read_text())
+    assert (two["devices"], four["devices"]) == (2, 4) and two["fc_batch"] == "worker"
+    assert 0 < two["second_step_s"] < two["first_step_s"] and four["graph_ops"] > two["graph_ops"]
+    assert "first step s" in proc.stdout
+    keras_out = tmp_path / "keras.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "owt_tf.bench", "--keras-step", "--model", "alexnet_tiny",
+         "--schemes", "owt-b", "--devices", "2", "--batch-size", "8", "--classes", "10",
+         "--warmup", "1", "--steps", "2", "--out", str(keras_out)],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(keras_out.read_text())
+    assert [r["runner"] for r in records] == ["cli", "keras", "mirrored"]
+    assert all(r["step_time_s"] > 0 and r["global_batch"] == 16 for r in records)
+    assert "/ MirroredStrategy fit" in proc.stdout and "/ the CLI's step" in proc.stdout

@@ -58,3 +58,17 @@ def test_exchanges_do_not_wait_on_fc_compute(devices, scheme, fc_batch):
     work = next(op for name, op in ops.items() if "fc_round3" in name
                 and op.type in ("MatMul", "StatefulPartitionedCall", "PartitionedCall"))
     assert any("exchange_round3" in name for name in _ancestors(work))
+
+
+def test_worker_rounds_are_one_traced_function_per_replica(devices):
+    """fc_batch='worker': each replica traces one round's FC work once and calls it once per
+    round, so the step's graph does not grow as K x rounds (the first step's wait did)."""
+    hybrid = HybridStrategy(devices[:4], "owt-b", batch_size=8, fc_batch="worker")
+    model = hybrid.placement.build_model(hybrid.parallel_plan, alexnet_tiny(num_classes=10, dropout=0.0), seed=0)
+    optim = build_optimizer(hybrid, model, 0.01, 0.01, 0.9, 5e-4)
+    ops = _graph_ops(hybrid, model, optim, 8)
+    calls = [op for name, op in ops.items() if "fc_round" in name
+             and op.type in ("StatefulPartitionedCall", "PartitionedCall")]
+    assert len(calls) == 4 * 4, sorted(op.name for op in calls)  # K replicas x K rounds
+    assert not [name for name, op in ops.items() if "fc_round" in name and op.type == "MatMul"]
+    assert len({op.get_attr("f").name for op in calls}) == 4  # one function per replica
