@@ -65,11 +65,14 @@ def measure(model: str, scheme: str, fc_batch: str, k: int, batch: int, classes:
 def run_first_step(model: str, schemes: List[str], fc_batch: str, ks: List[int], batch: int,
                    classes: int) -> List[FirstStepRecord]:
     """Every (scheme, K), each in a fresh process."""
+    from owt_tf.planner.plan import Scheme
+
     records = []
     for scheme in schemes:
         for k in ks:
             cmd = [sys.executable, "-m", "owt_tf.experiments.first_step", "--model", model,
-                   "--scheme", scheme, "--fc-batch", fc_batch if scheme in ("owt-b", "owt-c") else "global",
+                   "--scheme", scheme,
+                   "--fc-batch", fc_batch if Scheme(scheme).allows_worker_fc_batch else "global",
                    "--devices", str(k), "--batch-size", str(batch), "--classes", str(classes)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
