@@ -71,6 +71,9 @@ def rescaled_jpeg(encoded: tf.Tensor, settings: PrepareSettings):
     shape = tf.shape(image)[:2]
     scale = side / tf.cast(tf.reduce_min(shape), tf.float32)
     size = tf.maximum(tf.cast(tf.round(tf.cast(shape, tf.float32) * scale), tf.int32), side)
+    # Antialiased bilinear (a triangle filter), not cuda-convnet2's area averaging, which
+    # costs 2.5x less here but keeps more pixel noise: its JPEGs were 8 % larger on the
+    # benchmark's photos and training decoded them 5 % slower (docs/data.md).
     resized = tf.image.resize(image, size, method="bilinear", antialias=True)
     if not settings.keep_aspect:
         top, left = (size[0] - side) // 2, (size[1] - side) // 2
