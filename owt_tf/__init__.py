@@ -12,7 +12,7 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "setup_devices": "owt_tf.devices",
+    "setup_devices": "owt_tf.runtime.devices",
     "HybridStrategy": "owt_tf.parallel.strategy",
     "parallelize": "owt_tf.fit.parallelize",
     "ParallelModel": "owt_tf.fit.model",

@@ -4,7 +4,7 @@ originals (owt_tf.experiments.input_bench)."""
 import sys
 
 from owt_tf.experiments.bench import build_parser, main
-from owt_tf.startup import start_tensorflow
+from owt_tf.runtime.startup import start_tensorflow
 
 if __name__ == "__main__":
     args = build_parser().parse_args()  # --help and bad flags answer before TensorFlow loads

@@ -2,7 +2,7 @@
 the end of every `every` epochs and puts the numbers into the epoch's logs.
 
 Keys (prefix `name`, default `val_<pairs.name>`, e.g. `val_lfw`):
-  `<name>_accuracy`        mean 10-fold verification accuracy (owt_tf.verification)
+  `<name>_accuracy`        mean 10-fold verification accuracy (owt_tf.data.verification)
   `<name>_accuracy_std`    its std over the folds
   `<name>_tar_at_far_1e-3` TAR at FAR 1e-3 (the suffix follows `far`)
 
@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.layers import embedding_model
-from owt_tf.verification import VerificationPairs, VerificationResult, verify
+from owt_tf.data.verification import VerificationPairs, VerificationResult, verify
 
 EmbedFn = Callable[[np.ndarray], Any]
 

@@ -22,7 +22,7 @@ import os
 from typing import List, Optional
 
 from owt_tf.cli import OneLineParser, fail
-from owt_tf.startup import start_tensorflow
+from owt_tf.runtime.startup import start_tensorflow
 
 PROG = "python -m owt_tf.evaluate"
 
@@ -99,7 +99,7 @@ def verification(pairs_source: str, export_dir: str, verbose: bool = False) -> i
     start_tensorflow(verbose)
     from owt_tf.training.evaluation import load_pairs
     from owt_tf.training.files.serving import load_embeddings
-    from owt_tf.verification import verify
+    from owt_tf.data.verification import verify
 
     try:
         size, embed = load_embeddings(export_dir)

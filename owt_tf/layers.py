@@ -90,7 +90,7 @@ def embedding_model(model: keras.Model, head: Optional[NormalizedDense] = None) 
     model's last NormalizedDense), sharing the model's layers and weights.
 
     The embedding is returned as the trunk computes it, not normalised: face verification
-    (owt_tf.verification) normalises, and its flip test sums an image's and its mirror's
+    (owt_tf.data.verification) normalises, and its flip test sums an image's and its mirror's
     raw embeddings before normalising, as InsightFace does. The model must be built (a
     functional or Sequential model with known inputs) and `head` called exactly once."""
     head = head if head is not None else last_normalized_dense(model)

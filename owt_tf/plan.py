@@ -42,7 +42,7 @@ from owt_tf.planner.auto import head_reason
 from owt_tf.planner.cost_model import (HARDWARE_NAMES, Prediction, paper_rows, preset,
                                         rank, runner_up, table,
                                         train_command)
-from owt_tf.startup import start_tensorflow
+from owt_tf.runtime.startup import start_tensorflow
 
 
 def format_table(rows: Iterable[Prediction]) -> str:

@@ -24,7 +24,7 @@ import sys
 from typing import List, Optional
 
 from owt_tf.cli import OneLineParser, fail
-from owt_tf.startup import start_tensorflow
+from owt_tf.runtime.startup import start_tensorflow
 
 PROG = "python -m owt_tf.prepare"
 SOURCE_HELP = ("folder:PATH (PATH/train/<class>/*, PATH/validation/<class>/* or test/), "

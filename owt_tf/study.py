@@ -2,7 +2,7 @@
 import sys
 
 from owt_tf.experiments.study import build_parser, main
-from owt_tf.startup import start_tensorflow
+from owt_tf.runtime.startup import start_tensorflow
 
 if __name__ == "__main__":
     build_parser().parse_args()  # --help and bad flags answer before TensorFlow loads

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 from owt_tf.cli import fail, parse_config
 from owt_tf.config import ConfigError, RunConfig, new_run_dir
-from owt_tf.startup import start_tensorflow
+from owt_tf.runtime.startup import start_tensorflow
 from owt_tf.training.files.rundir import RunDirUnusable, check_writable
 
 # Exit codes: 0 done, 2 bad flags or input (nothing written), 3 non-finite loss or gradient,
@@ -95,7 +95,7 @@ def watch_cluster_start(config: RunConfig) -> None:
     """In a cluster: a watcher process ends this worker (one line naming the missing tasks,
     then SIGKILL) when some task has not started within the join bound, instead of waiting
     on TensorFlow's cluster registration for its default timeout."""
-    from owt_tf.cluster import join_timeout_s, watch_peers_start
+    from owt_tf.runtime.cluster import join_timeout_s, watch_peers_start
 
     cluster = config.cluster.resolved
     if cluster is not None:

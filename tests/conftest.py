@@ -10,7 +10,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow is imported
 
 import pytest  # noqa: E402
 
-from owt_tf.devices import setup_devices  # noqa: E402
+from owt_tf.runtime.devices import setup_devices  # noqa: E402
 
 NUM_TEST_DEVICES = 16
 DEVICES = setup_devices(NUM_TEST_DEVICES)

@@ -5,9 +5,9 @@ import pytest
 from tensorflow.python.distribute import multi_worker_util
 
 from owt_tf import launch
-from owt_tf.cluster import ClusterError, parse_tf_config, resolve_cluster
+from owt_tf.runtime.cluster import ClusterError, parse_tf_config, resolve_cluster
 from owt_tf.config import RunConfig
-from owt_tf.devices import replica_devices
+from owt_tf.runtime.devices import replica_devices
 
 WORKERS = ["10.0.0.1:2222", "10.0.0.2:2222", "10.0.0.3:2222"]
 
@@ -84,7 +84,7 @@ def test_launch_refuses_scheme_auto_before_starting_workers():
 
 
 def test_join_bound_from_the_environment():
-    from owt_tf.cluster import DEFAULT_JOIN_TIMEOUT_S, join_timeout_s
+    from owt_tf.runtime.cluster import DEFAULT_JOIN_TIMEOUT_S, join_timeout_s
 
     assert join_timeout_s({}) == DEFAULT_JOIN_TIMEOUT_S
     assert join_timeout_s({"OWT_TF_JOIN_TIMEOUT_S": "7.5"}) == 7.5
@@ -95,7 +95,7 @@ def test_join_bound_from_the_environment():
 
 WAITING_WORKER = """
 import sys, time
-from owt_tf.cluster import resolve_cluster, watch_peers_start
+from owt_tf.runtime.cluster import resolve_cluster, watch_peers_start
 watch_peers_start(resolve_cluster(sys.argv[1], 0), 3.0, prefix="error: ")
 time.sleep(60)  # as a worker blocked in TensorFlow's cluster registration
 """

@@ -15,7 +15,7 @@ _STEP_AFTER_THE_LAST_BATCH = r"""
 import os, time
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 import tensorflow as tf
-from owt_tf.devices import make_strategy, setup_devices
+from owt_tf.runtime.devices import make_strategy, setup_devices
 from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
 

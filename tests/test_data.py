@@ -3,7 +3,7 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.data.datasets import DatasetError, load_dataset
-from owt_tf.devices import make_strategy
+from owt_tf.runtime.devices import make_strategy
 import pytest
 
 

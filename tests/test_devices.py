@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from conftest import NUM_TEST_DEVICES
-from owt_tf.devices import DeviceError, device_layout, make_strategy, setup_devices
+from owt_tf.runtime.devices import DeviceError, device_layout, make_strategy, setup_devices
 
 
 def test_session_has_its_logical_cpus(devices):

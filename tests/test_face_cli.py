@@ -2,7 +2,7 @@
 the class layer's shards) equals a one-device Keras reference; the run verifies the
 dataset's pairs; the export's `embeddings` signature (and --embeddings-only) serves the
 Trainer's embeddings without owt_tf; `evaluate --verification` prints what
-owt_tf.verification computes; the `faces` preset learns; bad flags fail in one line."""
+owt_tf.data.verification computes; the `faces` preset learns; bad flags fail in one line."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ from owt_tf.layers import NormalizedDense
 from owt_tf.losses import ArcFace, CosFace
 from owt_tf.training.files import summaries
 from owt_tf.training.loop import Trainer
-from owt_tf.verification import verify
+from owt_tf.data.verification import verify
 from reference import update_err
 
 # One xdist worker runs this module: its module-scoped run is made once, not per worker.

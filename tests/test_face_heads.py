@@ -251,7 +251,7 @@ def test_verification_callback_reads_the_parallelized_model(devices):
     """owt_tf.callbacks.Verification on a parallelized model embeds through model.embed:
     its accuracy equals the LFW protocol computed here from the one-device embeddings."""
     from owt_tf.callbacks import Verification
-    from owt_tf.verification import VerificationPairs, pair_scores, ten_fold_accuracy
+    from owt_tf.data.verification import VerificationPairs, pair_scores, ten_fold_accuracy
 
     reference = face_net(seed=7)
     x, y = _data(2 * BATCH, seed=7)

@@ -9,7 +9,7 @@ from typing import Iterator, Tuple
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "owt_tf"
-LIBRARY = ("planner", "parallel", "fit", "training", "models", "data", "config")
+LIBRARY = ("planner", "runtime", "parallel", "fit", "training", "models", "data", "config")
 ENTRY_POINTS = ("train", "evaluate", "export", "bench", "plan", "study", "launch", "prepare")
 # The experiment drivers behind `python -m owt_tf.bench` / `owt_tf.study`, and the flag
 # parsing the entry points share, belong to the entry points' side too.
@@ -173,13 +173,13 @@ def test_the_planner_imports_no_tensorflow():
 
 
 def test_modules_and_folders_stay_small():
-    """No module over 450 lines, no folder of owt_tf/ (below the package itself, which holds
-    the entry points) with more than 12 modules: a reader finds each job in one short file."""
+    """No module over 450 lines, no folder of owt_tf/ (the package itself included) with more
+    than 12 modules besides its __init__: a reader finds each job in one short file."""
     long = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 450]
-    crowded = [f"{d.relative_to(PACKAGE.parent)}: {n} modules" for d in PACKAGE.rglob("*")
-               if d.is_dir() and d.name != "__pycache__"
-               and (n := len(list(d.glob("*.py")))) > 12]
+    folders = [PACKAGE] + [d for d in PACKAGE.rglob("*") if d.is_dir() and d.name != "__pycache__"]
+    crowded = [f"{d.relative_to(PACKAGE.parent)}: {n} modules" for d in folders
+               if (n := len([m for m in d.glob("*.py") if m.name != "__init__.py"])) > 12]
     assert not long and not crowded, long + crowded
 
 

@@ -1,4 +1,4 @@
-"""owt_tf.verification (numpy: scores, LFW 10-fold accuracy, TAR at FAR, flip embedding)
+"""owt_tf.data.verification (numpy: scores, LFW 10-fold accuracy, TAR at FAR, flip embedding)
 against references written differently here, and owt_tf.callbacks.Verification in a small
 fit: its keys reach History and TensorBoard event files."""
 import glob
@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from owt_tf.callbacks import Verification
 from owt_tf.layers import NormalizedDense
-from owt_tf.verification import (VerificationPairs, VerificationResult, embed_pairs,
+from owt_tf.data.verification import (VerificationPairs, VerificationResult, embed_pairs,
                                  pair_scores, tar_at_far, ten_fold_accuracy, verify)
 
 
@@ -122,7 +122,7 @@ def test_verify_scores_the_pairs_it_embeds():
 
 
 def test_the_verification_module_does_not_import_tensorflow():
-    code = ("import sys, owt_tf.verification; "
+    code = ("import sys, owt_tf.data.verification; "
             "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -3,7 +3,7 @@
 1. Equivalence on the real GPU: the engine against the single-device reference of the test
    suite (tests/engine_harness.py, tests/reference.py; the reference runs on the CPU), 3 SGD
    steps of alexnet_tiny, dropout off, TF32 off: K = 1 on the whole GPU, K = 2 and 4 as
-   logical GPUs split from it (owt_tf.devices, `--device-type gpu`).
+   logical GPUs split from it (owt_tf.runtime.devices, `--device-type gpu`).
 2. `python -m owt_tf.bench`: the paper's AlexNet, B = 128 per replica, single vs data vs
    owt-a/b/c at K = 2 and 4 (single: one device, the same global batch), `--jit` off and on,
    in fp32 and, when bench has a `--precision` flag, bf16 (TF32 left as TensorFlow sets it).
@@ -102,7 +102,7 @@ def equivalence_worker(ks: List[int], device_type: str, cases: Dict[int, list], 
     """In this process: K = max(ks) devices of `device_type`, each case against the reference."""
     import tensorflow as tf
 
-    from owt_tf.devices import setup_devices
+    from owt_tf.runtime.devices import setup_devices
 
     tf.config.experimental.enable_tensor_float_32_execution(False)
     devices = setup_devices(max(ks), device_type)

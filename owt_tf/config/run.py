@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any, Dict, Mapping
 
-from owt_tf.cluster import ClusterError, resolve_cluster
+from owt_tf.runtime.cluster import ClusterError, resolve_cluster
 from owt_tf.config.flags import ConfigError
 from owt_tf.config.sections import (FLAG_FIELDS, LR_SCALINGS, ClusterConfig, DataConfig,
                                     ModelConfig, OptimizerConfig, ParallelConfig, RunIOConfig,

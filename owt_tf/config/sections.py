@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
-from owt_tf.cluster import DEVICE_TYPES, Cluster
+from owt_tf.runtime.cluster import DEVICE_TYPES, Cluster
 from owt_tf.config.flags import as_flag_error, flag, parse_decay_epochs, parse_profile_steps
 from owt_tf.planner.plan import AUTO, ParallelPlan
 

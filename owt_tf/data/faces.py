@@ -30,7 +30,7 @@ from owt_tf.data.arrays import ArrayDataset
 from owt_tf.data.insightface import (held_out_for_validation, write_property,
                                      write_verification_bin)
 from owt_tf.data.recordio import write_record_file
-from owt_tf.verification import VerificationPairs
+from owt_tf.data.verification import VerificationPairs
 
 FACES_SEED = 20150612  # fixed: every run trains and verifies on the same faces
 FREQUENCIES = 6  # cosine basis functions per axis: smooth, face-sized structure

@@ -45,7 +45,7 @@ import tensorflow as tf
 from owt_tf.data import DatasetError
 from owt_tf.data.preprocess import eval_pixels, normalize
 from owt_tf.data.stream import StreamDataset
-from owt_tf.verification import VerificationPairs
+from owt_tf.data.verification import VerificationPairs
 
 from owt_tf.data.recordio import (FIRST, IR_SIZE, LENGTH_MASK, MAGIC, WHOLE, RecordFile,
                                  read_index, unpack_payload)

@@ -215,7 +215,7 @@ def _proc_status_bytes(field: str) -> Optional[int]:
 def run_bench(args) -> List[BenchRecord]:
     import tensorflow as tf
 
-    from owt_tf.devices import setup_devices
+    from owt_tf.runtime.devices import setup_devices
 
     # Each configuration is its own tf.function by design; TF's retracing warning is noise here.
     tf.get_logger().setLevel("ERROR")

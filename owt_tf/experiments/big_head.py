@@ -175,7 +175,7 @@ def _train_mirrored(classes: int, devices: Sequence[str], global_batch: int, war
                     steps: int, head: str = "softmax") -> Dict:
     """Plain Keras `fit` under MirroredStrategy: every replica holds the whole model and
     all-reduces every gradient."""
-    from owt_tf.devices import make_strategy
+    from owt_tf.runtime.devices import make_strategy
     from owt_tf.planner import ledger
 
     strategy = make_strategy(devices)
@@ -207,7 +207,7 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
     """One runner's training, in this (fresh) process."""
     import tensorflow as tf
 
-    from owt_tf.devices import setup_devices
+    from owt_tf.runtime.devices import setup_devices
 
     tf.get_logger().setLevel("ERROR")
     devices = setup_devices(k, "cpu")
@@ -344,7 +344,7 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--head", default="softmax", choices=HEADS)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    from owt_tf.startup import start_tensorflow
+    from owt_tf.runtime.startup import start_tensorflow
 
     start_tensorflow()
     record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,

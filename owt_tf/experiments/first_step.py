@@ -30,7 +30,7 @@ class FirstStepRecord:
 
 def measure(model: str, scheme: str, fc_batch: str, k: int, batch: int, classes: int) -> FirstStepRecord:
     """In this process (K logical devices set up here): the first and second step."""
-    from owt_tf.devices import setup_devices
+    from owt_tf.runtime.devices import setup_devices
 
     devices = setup_devices(k)
     import numpy as np
@@ -114,7 +114,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from owt_tf.startup import start_tensorflow
+    from owt_tf.runtime.startup import start_tensorflow
 
     start_tensorflow()
     sys.exit(_main())

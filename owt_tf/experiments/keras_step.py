@@ -79,7 +79,7 @@ def _keras_times(model, x, y, global_batch: int) -> List[float]:
 def run_runner(runner: str, model_name: str, scheme: str, k: int, batch: int, classes: int,
                warmup: int, steps: int) -> KerasStepRecord:
     """One runner's steps, in this (fresh) process."""
-    from owt_tf.devices import setup_devices
+    from owt_tf.runtime.devices import setup_devices
 
     devices = setup_devices(k, "cpu")
     import keras
@@ -181,7 +181,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from owt_tf.startup import start_tensorflow
+    from owt_tf.runtime.startup import start_tensorflow
 
     start_tensorflow()
     sys.exit(_main())

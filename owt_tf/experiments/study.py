@@ -83,7 +83,7 @@ def run_config(args: argparse.Namespace, cell: StudyConfig, seed: int, logdir: s
 
 def train_one(config: RunConfig, num_train: int) -> Dict[str, object]:
     """One run, start to end, in the calling process (a fresh one: see run_study)."""
-    from owt_tf.devices import setup_devices
+    from owt_tf.runtime.devices import setup_devices
     from owt_tf.training.guard import NonFiniteError
     from owt_tf.training.loop import Trainer
 

@@ -14,7 +14,7 @@ from typing import Dict, List
 import keras
 import tensorflow as tf
 
-from owt_tf.devices import outside_strategy_scope
+from owt_tf.runtime.devices import outside_strategy_scope
 from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
 from owt_tf.parallel.head.layout import ShardedHead

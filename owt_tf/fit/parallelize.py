@@ -11,7 +11,7 @@ from typing import Optional
 import keras
 import numpy as np
 
-from owt_tf.devices import outside_strategy_scope
+from owt_tf.runtime.devices import outside_strategy_scope
 from owt_tf.fit import files as keras_files
 from owt_tf.fit.model import ParallelModel
 from owt_tf.models.split import KerasSplit, UnsupportedModel, split_keras_model

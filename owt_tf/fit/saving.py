@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.devices import outside_strategy_scope
+from owt_tf.runtime.devices import outside_strategy_scope
 from owt_tf.fit import callbacks as keras_callbacks
 from owt_tf.fit import files as keras_files
 from owt_tf.layers import embedding_model, l2_normalize

@@ -60,7 +60,7 @@ def user_model_spec(name: str, num_classes: Optional[int] = None,
     Keras' initializers before a `module:function` is called (a file's weights are its own)."""
     import keras
 
-    from owt_tf.devices import outside_strategy_scope
+    from owt_tf.runtime.devices import outside_strategy_scope
     from owt_tf.models.split import split_keras_model
 
     model = outside_strategy_scope(lambda: _load(name, num_classes, seed))

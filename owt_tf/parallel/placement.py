@@ -17,8 +17,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.cluster import Cluster
-from owt_tf.devices import (make_multiworker_strategy, make_strategy, outside_strategy_scope,
+from owt_tf.runtime.cluster import Cluster
+from owt_tf.runtime.devices import (make_multiworker_strategy, make_strategy, outside_strategy_scope,
                             replica_devices)
 from owt_tf.models.spec import ModelSpec
 from owt_tf.parallel import collectives as coll

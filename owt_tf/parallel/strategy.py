@@ -20,7 +20,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from owt_tf.cluster import Cluster, resolve_cluster
+from owt_tf.runtime.cluster import Cluster, resolve_cluster
 from owt_tf.models.cost import NetworkCost
 from owt_tf.planner.auto import AutoChoice, resolve_auto
 from owt_tf.planner.cost_model import OWT_SCHEMES
@@ -88,7 +88,7 @@ class HybridStrategy:
         requested = ParallelPlan(**{**plan_fields, "scheme": "owt-b" if auto else scheme})
         if isinstance(devices, int):
             requested.check_devices(devices)
-            from owt_tf.devices import setup_devices
+            from owt_tf.runtime.devices import setup_devices
 
             devices = setup_devices(devices)
         self.placement = Placement(devices, cluster)

@@ -134,7 +134,7 @@ def run_hardware(devices: Sequence[str]) -> Hardware:
 
     k = len(devices)
     if not any("GPU" in d.upper() for d in devices):
-        from owt_tf.devices import outside_strategy_scope
+        from owt_tf.runtime.devices import outside_strategy_scope
         from owt_tf.planner.hardware import measure_cpu
 
         # Measured with a strategy of its own, which cannot run inside the caller's scope

@@ -39,7 +39,7 @@ def measure_cpu(devices: int) -> Hardware:
     over `devices` logical CPU devices for the collective bandwidth and per-launch latency
     (none at one device, which exchanges nothing: the logical devices of a run already
     under way cannot be added to)."""
-    from owt_tf.devices import logical_cpu_devices, make_strategy
+    from owt_tf.runtime.devices import logical_cpu_devices, make_strategy
 
     import tensorflow as tf
 

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.verification import VerificationPairs, VerificationResult, verify
+from owt_tf.data.verification import VerificationPairs, VerificationResult, verify
 
 
 def ten_crops(images: np.ndarray, size) -> List[np.ndarray]:

@@ -21,7 +21,7 @@ import tensorflow as tf
 from owt_tf.config import ConfigError, RunConfig, new_run_dir
 from owt_tf.data.datasets import load_dataset
 from owt_tf.data.stats import settle_normalisation
-from owt_tf.devices import DeviceError, setup_devices
+from owt_tf.runtime.devices import DeviceError, setup_devices
 from owt_tf.planner.plan import AUTO, PlanError
 from owt_tf.parallel.gradients import TracedGradients
 from owt_tf.parallel.precision import DynamicLossScale

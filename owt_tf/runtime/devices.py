@@ -5,7 +5,7 @@ CPUs carved out of the host CPU (`device_layout`; --device-type chooses explicit
 devices can only be configured before TensorFlow initializes its runtime, so entry points
 call `setup_devices` before anything else touches TensorFlow ops.
 
-One process: MirroredStrategy over the devices. A cluster (owt_tf.cluster): TensorFlow's
+One process: MirroredStrategy over the devices. A cluster (owt_tf.runtime.cluster): TensorFlow's
 MultiWorkerMirroredStrategy (gRPC collectives, TF_CONFIG-style cluster), with this
 worker's D devices as its local replicas; K = W * D.
 """
@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Sequence, TypeVar
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _mwms
 
-from owt_tf.cluster import DEVICE_TYPES, Cluster
+from owt_tf.runtime.cluster import DEVICE_TYPES, Cluster
 
 T = TypeVar("T")
 

@@ -31,7 +31,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Tuple
 
 TASK_TYPES = ("chief", "worker")
-# --device-type: the kind of device each worker's replicas go on (owt_tf.devices.device_layout).
+# --device-type: the kind of device each worker's replicas go on (owt_tf.runtime.devices.device_layout).
 DEVICE_TYPES = ("auto", "gpu", "cpu")
 JOIN_TIMEOUT_ENV = "OWT_TF_JOIN_TIMEOUT_S"
 DEFAULT_JOIN_TIMEOUT_S = 120.0
@@ -115,7 +115,7 @@ def watch_peers_start(cluster: Cluster, timeout_s: float, prefix: str = "") -> s
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
     return subprocess.Popen(
-        [sys.executable, "-c", "import sys; from owt_tf.cluster import _watch; _watch(sys.argv[1])",
+        [sys.executable, "-c", "import sys; from owt_tf.runtime.cluster import _watch; _watch(sys.argv[1])",
          job], stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=path))
 
 
