@@ -173,28 +173,59 @@ def test_sampled_loss_and_update_equal_a_numpy_reference(devices, scheme):
     _assert_sgd_update_of_the_sampled(parallel, (kernel, bias), (dkernel, dbias), mask, lr)
 
 
-def test_unsampled_classes_are_left_to_the_optimizer(devices):
-    """Partial FC v2's choice: an unsampled class gets a zero gradient and the optimizer
-    still runs on it: under SGD momentum its column moves by momentum x its last velocity
-    (0 when it was never sampled)."""
-    lr, momentum = 0.5, 0.9
-    parallel = _parallel(_linear_head(), devices, 0.1, keras.optimizers.SGD(lr, momentum=momentum))
+@pytest.mark.parametrize("fc_batch", ["global", "worker"])
+def test_only_the_sampled_classes_move(devices, fc_batch):
+    """The sparse update (the original Partial FC's): under SGD with momentum and weight
+    decay, a class outside an update's sample keeps its weights, its velocity and its decay
+    waiting -- it does not coast on momentum, it does not decay; a class sampled twice
+    moves by momentum x its velocity - lr x (its decay and gradient), as SGD moves it. Two
+    steps of 4 rounds each (fc_batch worker: 4 samples a step, each an update of its own)."""
+    lr, momentum, decay = 0.5, 0.9, 0.01
+    parallel = _parallel(_linear_head(), devices, 0.1,
+                         keras.optimizers.SGD(lr, momentum=momentum, weight_decay=decay),
+                         fc_batch=fc_batch)
     batches = [_data(K * BATCH, seed=s) for s in (2, 3)]
     kernels = [parallel.fc_weights()[0][0]]
-    masks = []
+    masks, grads = [], []
     for step, (x, y) in enumerate(batches):
-        masks.append(_class_mask(parallel, y, step))
+        if fc_batch == "global":
+            masks.append(_class_mask(parallel, y, step))
+            features = parallel.trunk(x, training=False).numpy()
+            kernel, bias = parallel.fc_weights()[0]
+            grads.append(_masked_reference(features, kernel, bias, y, masks[-1])[1])
+        else:  # each round's own sample: the classes any of them kept
+            masks.append(np.any([_class_mask_of_round(parallel, y, step, r) for r in range(K)],
+                                axis=0))
         parallel.train_on_batch(x, y)
         kernels.append(parallel.fc_weights()[0][0])
     first, second = kernels[1] - kernels[0], kernels[2] - kernels[1]
-    carried = masks[0] & ~masks[1]  # sampled, then not: coasting on momentum
+    carried = masks[0] & ~masks[1]  # sampled, then not: waits with its velocity
     never = ~masks[0] & ~masks[1]
     assert carried.sum() > 5 and never.sum() > 5
-    np.testing.assert_allclose(second[:, carried], momentum * first[:, carried], rtol=1e-4,
-                               atol=1e-7)
     assert np.abs(first[:, carried]).min() > 0
+    np.testing.assert_array_equal(second[:, carried], 0.0)
     np.testing.assert_array_equal(second[:, never], 0.0)
     np.testing.assert_array_equal(first[:, never], 0.0)
+    if fc_batch == "global":
+        both = masks[0] & masks[1]
+        assert both.sum() > 3
+        velocity = first + decay * lr * kernels[0]  # step 1's velocity: -lr x its gradient
+        want = (-decay * lr * kernels[1] + momentum * velocity - lr * grads[1])[:, both]
+        got = second[:, both]
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+
+
+def _class_mask_of_round(parallel, labels, step: int, r: int) -> np.ndarray:
+    """fc_batch='worker' (owt-b): the classes round r of step `step` keeps; its rows are
+    replica r's batch."""
+    rows = labels[r * BATCH:(r + 1) * BATCH]
+    return _class_mask_with_seed(parallel, rows, _update_seed(parallel, step, r))
+
+
+def _class_mask_with_seed(parallel, labels, seed) -> np.ndarray:
+    head = parallel.head
+    masks = [_sampled_mask(head, [tf.constant(labels)], k, seed) for k in range(head.num_shards)]
+    return np.concatenate([m.numpy() for m in masks])[:head.spec.num_classes]
 
 
 @pytest.mark.parametrize("labels", ["class ids", "one-hot"])
@@ -259,9 +290,14 @@ def test_the_class_layer_multiplies_only_the_sampled_columns(devices):
     shapes = [tuple(t.shape.as_list()) for op in graph.get_operations() if op.type == "MatMul"
               for t in list(op.inputs) + list(op.outputs)]
     assert not [s for s in shapes if width in s]
-    # per shard: each round's logits [rows / K, S], the kernel gradient [256, S]
+    # per shard: each round's logits [rows / K, S], the kernel gradient [S, 256]
     on_sampled = [s for s in shapes if size in s]
-    assert on_sampled.count((rows // K, size)) >= K * K and (256, size) in on_sampled
+    assert on_sampled.count((rows // K, size)) >= K * K and (size, 256) in on_sampled
+    # and nothing of the shard's whole kernel size anywhere in the step: the update (and
+    # its gradient) is the sample's rows, never a dense [width, 256] tensor
+    whole = [(op.type, tuple(t.shape.as_list())) for op in graph.get_operations()
+             for t in op.outputs if t.shape.rank == 2 and width in t.shape.as_list()]
+    assert not whole, whole[:5]
 
 
 def test_evaluate_uses_every_class(devices):

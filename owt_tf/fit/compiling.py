@@ -9,7 +9,7 @@ its own copy of the optimizer on its own device, driven with `update_step`.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import keras
 import tensorflow as tf
@@ -18,6 +18,8 @@ from owt_tf.runtime.devices import outside_strategy_scope
 from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
 from owt_tf.parallel.head.layout import ShardedHead
+from owt_tf.parallel.head.sampling import SampledColumns
+from owt_tf.parallel.head.sparse import SPARSE_OPTIMIZERS, sampled_sgd
 
 # Optimizers whose update of each weight depends only on that weight's own gradient and
 # state, so that updating a shard equals updating its part of the whole layer.
@@ -43,6 +45,12 @@ class KerasShardOptimizer:
             raise CompileError(f"optimizer {name}: its update is not element-wise, so a shard's "
                                f"update would differ from the whole layer's (supported: "
                                f"{', '.join(ELEMENTWISE_OPTIMIZERS)})")
+        if head.sample_rate < 1.0 and name not in SPARSE_OPTIMIZERS:
+            raise CompileError(
+                f"optimizer {name}: sample_rate={head.sample_rate:g} updates only the sampled "
+                f"classes, which {name}'s state cannot do as the dense update would; use "
+                "keras.optimizers.SGD (momentum and weight_decay allowed) for the head "
+                "(fc_optimizer=) or sample_rate=1")
         config = template.get_config()
         self.head = head
         self.trunk_optimizer = trunk_optimizer
@@ -107,15 +115,25 @@ class KerasShardOptimizer:
             return tf.cast(self.clones[shard].learning_rate, tf.float32)
         return tf.cast(self.trunk_optimizer.learning_rate, tf.float32) * self.lr_ratio
 
-    def apply(self, shard: int, grads: List[tf.Tensor]) -> None:
+    def apply(self, shard: int, grads: List[tf.Tensor],
+              sample: Optional[SampledColumns] = None) -> None:
         """Keras' own update on this shard: decoupled weight decay (as Keras applies it,
-        before the step, at the current rate), then the optimizer's update_step."""
+        before the step, at the current rate), then the optimizer's update_step. Under a
+        class `sample` the class layer's sampled rows only (head.sparse.sampled_sgd)."""
         clone = self.clones[shard]
         lr = self.learning_rate(shard)
-        for g, v in zip(grads, self.head.shard_variables(shard)):
+        variables = self.head.shard_variables(shard)
+        dense = len(variables) - (2 if sample is not None else 0)
+        for g, v in zip(grads[:dense], variables[:dense]):
             if self.weight_decay:
                 v.assign_sub(v * tf.cast(self.weight_decay * lr, v.dtype))
             clone.update_step(g, v, lr)
+        if sample is not None:
+            momentum = float(clone.momentum)
+            slots = ([clone.momentums[i].value for i in range(dense, len(variables))]
+                     if momentum else None)  # Keras variables: their tf.Variable scatters
+            sampled_sgd(variables[dense:], slots, grads[dense:], sample, lr, momentum,
+                        bool(clone.nesterov), self.weight_decay or 0.0)
         with tf.control_dependencies(grads):  # see ParallelModel._after_data
             clone.iterations.assign_add(1)
 

@@ -5,13 +5,14 @@ and, where one device's meaning needs the whole step first, gradient clipping
 the step on every device)."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
 
 from owt_tf.planner import ledger
+from owt_tf.parallel.head.sampling import SampledColumns
 from owt_tf.fit.compiling import GradientClip, KerasShardOptimizer, apply_summed
 
 
@@ -34,6 +35,7 @@ class StepUpdates:
         self.waiting = clip.global_norm is not None or loss_scaler is not None
         self.trunk_grads: List[tf.Tensor] = []
         self.fc_grads: List[tf.Tensor] = []
+        self.fc_sample: Optional[SampledColumns] = None
 
     def trunk(self, grads: List[tf.Tensor]) -> None:
         if grads:
@@ -49,11 +51,15 @@ class StepUpdates:
         else:
             self._apply_trunk(self.clip.trunk(grads), summed=True)
 
-    def fc(self, shard: int, grads: List[tf.Tensor]) -> None:
+    def fc(self, shard: int, grads: List[tf.Tensor],
+           sample: Optional[SampledColumns] = None) -> None:
+        """Shard `shard`'s FC update (under a class `sample`: the class layer's gradients
+        are of its sampled rows; their norms are the whole layer's, zero elsewhere)."""
         if self.waiting:
-            self.fc_grads = grads
+            self.fc_grads, self.fc_sample = grads, sample
         else:
-            self.fc_optimizer.apply(shard, self.clip.fc(grads) if self.clip.active else grads)
+            self.fc_optimizer.apply(shard, self.clip.fc(grads) if self.clip.active else grads,
+                                    sample)
 
     def finish(self, shard: int) -> None:
         """The waiting updates: clipped by the one norm; skipped everywhere on an overflow."""
@@ -63,24 +69,32 @@ class StepUpdates:
             trunk, fc = self.clip.whole(self.trunk_grads, self.fc_grads)
         else:
             trunk, fc = self.clip.trunk(self.trunk_grads), self.clip.fc(self.fc_grads)
+        sample = self.fc_sample
         if self.loss_scaler is None:
-            return self._apply(shard, trunk, fc)
+            return self._apply(shard, trunk, fc, sample)
         finite = _finite_everywhere(self.trunk_grads + self.fc_grads)
         # As Keras' LossScaleOptimizer does: the cond in cross-replica context, since its
-        # branch calls the trunk optimizer, which calls merge_call.
+        # branch calls the trunk optimizer, which calls merge_call. The sample crosses as
+        # its tensors (a per-replica value each).
+        rows = () if sample is None else (sample.ids, sample.valid)
         tf.distribute.get_replica_context().merge_call(self._apply_if_finite,
-                                                       args=(finite, trunk, fc))
+                                                       args=(finite, trunk, fc, rows))
 
-    def _apply_if_finite(self, distribution, finite, trunk, fc) -> None:
+    def _apply_if_finite(self, distribution, finite, trunk, fc, rows) -> None:
         finite = distribution.experimental_local_results(finite)[0]  # the same everywhere
 
         def apply_everywhere():
-            distribution.extended.call_for_each_replica(self._apply_scaled_step, args=(trunk, fc))
+            distribution.extended.call_for_each_replica(self._apply_scaled_step,
+                                                        args=(trunk, fc, rows))
 
         tf.cond(finite, apply_everywhere, self.loss_scaler._stateful_handle_non_finite_grads)
 
-    def _apply_scaled_step(self, trunk: List[tf.Tensor], fc: List[tf.Tensor]) -> None:
-        self._apply(coll.replica_id(), trunk, fc)
+    def _apply_scaled_step(self, trunk: List[tf.Tensor], fc: List[tf.Tensor], rows=()) -> None:
+        sample = None
+        if rows:
+            width = self.fc_sample.width
+            sample = SampledColumns(rows[0], rows[1], width)
+        self._apply(coll.replica_id(), trunk, fc, sample)
         scaler = self.loss_scaler  # Keras' rule: the scale doubles after N finite steps
 
         def upscale():
@@ -92,8 +106,9 @@ class StepUpdates:
 
         tf.cond(tf.equal(scaler.step_counter, scaler.dynamic_growth_steps - 1), upscale, count)
 
-    def _apply(self, shard: int, trunk: List[tf.Tensor], fc: List[tf.Tensor]) -> None:
-        self.fc_optimizer.apply(shard, fc)
+    def _apply(self, shard: int, trunk: List[tf.Tensor], fc: List[tf.Tensor],
+               sample: Optional[SampledColumns] = None) -> None:
+        self.fc_optimizer.apply(shard, fc, sample)
         self._apply_trunk(trunk, summed=True)
 
     def _apply_trunk(self, grads: List[tf.Tensor], summed: bool) -> None:

@@ -25,6 +25,7 @@ import tensorflow as tf
 from owt_tf.parallel import collectives as coll
 
 from owt_tf.planner import ledger
+from owt_tf.parallel.head.layout import SampledRows
 from owt_tf.parallel.head.sampling import SampledColumns
 from owt_tf.planner.plan import StepRounds
 from owt_tf.parallel.head.forward import forward_rounds
@@ -98,9 +99,13 @@ class RoundsResult:
     count: int  # number of those rows
     outputs: List[tf.Tensor]  # per round: the model's outputs for its rows (Keras metrics)
     labels: List[tf.Tensor]  # per round: the labels of those rows
+    # per applied FC update: its class sample (fc_grads' class layer: of its rows), or None
+    fc_samples: List[Optional[SampledColumns]] = dataclasses.field(default_factory=list)
 
 
-FcUpdate = Callable[[List[tf.Tensor]], None]
+# Applies one FC update of this shard: its gradients (head.shard_variables order; under a
+# class sample the class layer's are of its sampled rows, [S, in] and [S]) and the sample.
+FcUpdate = Callable[[List[tf.Tensor], Optional[SampledColumns]], None]
 
 
 @dataclasses.dataclass
@@ -112,6 +117,19 @@ class _Forward:
     losses: List[tf.Tensor]  # per round: this replica's copy of its loss, weighted
     terms: List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]  # per round: ce, right, outputs
     cuts: List[coll.Cut]  # collectives whose backward is deferred (empty: none deferred)
+    sampled: Optional[SampledRows]  # the update's class sample and its rows (Partial FC)
+
+    def sources(self, shard_vars: List[tf.Variable]) -> List:
+        """What the FC update differentiates: the shard's variables, the class layer's
+        replaced by its sampled rows under a sample (a gradient of [S, in], not the shard's
+        whole width: the update's cost follows the sample)."""
+        if self.sampled is None:
+            return list(shard_vars)
+        return list(shard_vars[:-2]) + [self.sampled.kernel, self.sampled.bias]
+
+    @property
+    def sample(self) -> Optional[SampledColumns]:
+        return None if self.sampled is None else self.sampled.sample
 
 
 def _forward(rounds: StepRounds, head: ShardedHead, round_ids: Optional[Sequence[int]],
@@ -136,12 +154,13 @@ def _forward(rounds: StepRounds, head: ShardedHead, round_ids: Optional[Sequence
             tape.watch(x)
         with coll.deferred_backward(tape) if defer else contextlib.nullcontext([]) as cuts:
             sample = _class_sample(head, labels, shard, training, seeds)
-            logits = forward_rounds(head, inputs, shard, training, seeds, round_ids, sample)
+            sampled = None if sample is None else head.layers[-1].sampled_rows(shard, sample)
+            logits = forward_rounds(head, inputs, shard, training, seeds, round_ids, sampled)
             terms = loss_terms_rounds(head, logits, labels, shard, round_ids, sample)
         if weights is not None:  # Keras' weighted reduction: sum(loss x weight) / rows
             terms = [(ce * w, right, out) for (ce, right, out), w in zip(terms, weights)]
         losses = [tf.reduce_mean(ce) * loss_weight for ce, _, _ in terms]
-    return _Forward(tape, inputs, losses, terms, cuts)
+    return _Forward(tape, inputs, losses, terms, cuts, sampled)
 
 
 def _class_sample(head: ShardedHead, labels: Sequence[tf.Tensor], shard: int, training: bool,
@@ -171,7 +190,7 @@ def _gradients(fwd: _Forward, sources: List[tf.Tensor],
                              unconnected_gradients=unconnected)
 
 
-def _deferred_backward(fwd: _Forward, shard_vars: List[tf.Variable]) -> List[tf.Tensor]:
+def _deferred_backward(fwd: _Forward, sources: List) -> List[tf.Tensor]:
     """[d losses / d inputs of each round] + the shard's variable gradients (summed over
     rounds), each deferred collective's backward issued once, last cut first: the same
     order on every replica. Independent cuts (one group: a layer's rounds) take their
@@ -184,7 +203,7 @@ def _deferred_backward(fwd: _Forward, shard_vars: List[tf.Variable]) -> List[tf.
                 if grad is not None:  # else the losses do not depend on it: nothing to send
                     cut_grads[j] = coll.backward_of_cut(fwd.cuts[j], grad)
     # A cosine class layer never reads its (zero) bias: its gradient is zero, not None.
-    return _gradients(fwd, fwd.inputs + shard_vars, cut_grads, tf.UnconnectedGradients.ZERO)
+    return _gradients(fwd, fwd.inputs + sources, cut_grads, tf.UnconnectedGradients.ZERO)
 
 
 def _cut_groups(cuts: Sequence[coll.Cut]) -> List[List[int]]:
@@ -206,7 +225,8 @@ def _round_function(rounds: StepRounds, head: ShardedHead, shard: int, training:
     one round's FC work, not K rounds' (the first step's trace and graph optimisation grew
     with K x rounds: 7 s at K=4, 22 s at K=8). A function per replica (each captures its
     own shard's variables); the round's number is an argument (its dropout seed and class
-    sample follow it). Returns (the rows' gradient, the FC update applied, the loss terms)."""
+    sample follow it). Returns (the rows' gradient, the FC update applied, the loss terms,
+    the sample's (ids, valid) or ())."""
     shard_vars = head.shard_variables(shard)
 
     @tf.function(autograph=False)
@@ -214,11 +234,12 @@ def _round_function(rounds: StepRounds, head: ShardedHead, shard: int, training:
         round_seed = None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
         fwd = _forward(rounds, head, None, [x], [y], shard, training, round_seed, False,
                        loss_scale, None if w is None else [w], seeds_given=True)
-        grads = fwd.tape.gradient(fwd.losses[0], [x] + shard_vars,
+        grads = fwd.tape.gradient(fwd.losses[0], [x] + fwd.sources(shard_vars),
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
         update = unscaled(grads[1:], loss_scale)
-        apply_fc_update(update)
-        return grads[0], update, fwd.terms[0]
+        apply_fc_update(update, fwd.sample)
+        rows = () if fwd.sample is None else (fwd.sample.ids, fwd.sample.valid)
+        return grads[0], update, fwd.terms[0], rows
 
     return one_round
 
@@ -251,24 +272,25 @@ def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_l
         # round r+1 runs on the FC weights round r updated
         one_round = _round_function(rounds, head, shard, training, seed, loss_scale,
                                     apply_fc_update)
-        applied, input_grads, terms = [], [], []
+        applied, input_grads, terms, samples = [], [], [], []
         for r in range(rounds.num_rounds):
             # The first call traces the round: what it sends, it sends once per round.
             with tf.name_scope(f"fc_round{r}"), (
                     ledger.repeated(rounds.num_rounds) if r == 0 else contextlib.nullcontext()):
-                grad, update, term = one_round(inputs[r], labels[r], tf.constant(r),
-                                               None if weights is None else weights[r])
+                grad, update, term, rows = one_round(inputs[r], labels[r], tf.constant(r),
+                                                     None if weights is None else weights[r])
             applied.append(update)
+            samples.append(SampledColumns(*rows, head.shard_width()) if rows else None)
             input_grads.append(grad / rounds.num_rounds)
             terms.append(term)
     else:
         fwd = _forward(rounds, head, range(rounds.num_rounds), inputs, labels, shard, training, seed, True,
                        loss_scale, weights)
-        grads = _deferred_backward(fwd, shard_vars)
+        grads = _deferred_backward(fwd, fwd.sources(shard_vars))
         input_grads = [g / rounds.num_rounds for g in grads[:rounds.num_rounds]]
         averaged = unscaled([g / rounds.num_rounds for g in grads[rounds.num_rounds:]], loss_scale)
-        apply_fc_update(averaged)
-        applied = [averaged]
+        apply_fc_update(averaged, fwd.sample)
+        applied, samples = [averaged], [fwd.sample]
         terms = fwd.terms
     loss_sum, correct = tf.constant(0.0), tf.constant(0)
     for ce, right, _ in terms:
@@ -276,4 +298,4 @@ def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_l
         correct += tf.reduce_sum(tf.cast(right, tf.int32))
     count = sum(int(ce.shape[0]) for ce, _, _ in terms)
     return RoundsResult(exchange_backward(input_grads), applied, loss_sum, correct, count,
-                        [outputs for _, _, outputs in terms], labels)
+                        [outputs for _, _, outputs in terms], labels, samples)

@@ -22,6 +22,7 @@ from owt_tf.parallel import collectives as coll
 
 from owt_tf.planner import ledger
 from owt_tf.planner.plan import StepRounds
+from owt_tf.parallel.head.sampling import SampledColumns
 from owt_tf.parallel.schemes import RoundsResult, run_fc_rounds, unscaled
 from owt_tf.parallel.head.forward import forward
 from owt_tf.parallel.head.loss import loss_terms
@@ -31,7 +32,8 @@ from owt_tf.parallel.head.layout import ShardedHead
 # trunk's regularization losses) is added to the trunk's objective once per model.
 TrunkForward = Callable[[tf.Tensor], Tuple[tf.Tensor, Optional[tf.Tensor]]]
 ApplyTrunk = Callable[[List[tf.Tensor]], None]
-ApplyFc = Callable[[int, List[tf.Tensor]], None]
+# (shard, its FC gradients, the update's class sample or None): see schemes.FcUpdate
+ApplyFc = Callable[[int, List[tf.Tensor], Optional[SampledColumns]], None]
 
 
 class TrunkRunner:
@@ -107,7 +109,8 @@ def replica_train_step(rounds: StepRounds, head: ShardedHead, trunk_forward: Tru
         activations, trunk_loss = trunk_forward(images)
         activations = tf.cast(activations, head.compute_dtype)  # what the exchange sends
     result = run_fc_rounds(rounds, head, activations, labels, shard, True, seed,
-                           lambda grads: apply_fc(shard, grads), loss_scale, row_weights)
+                           lambda grads, sample: apply_fc(shard, grads, sample), loss_scale,
+                           row_weights)
     targets, output_grads = [activations], [result.activation_grad]
     if trunk_loss is not None:
         # Every replica adds its copy and the trunk optimizer sums the K gradients: each

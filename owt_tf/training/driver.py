@@ -20,8 +20,9 @@ from owt_tf.planner import ledger
 from owt_tf.parallel.placement import DistributedModel, Placement
 from owt_tf.planner.plan import ParallelPlan, StepRounds
 from owt_tf.parallel.head.layout import assemble
+from owt_tf.parallel.head.sparse import whole_shard_gradients
 from owt_tf.parallel.step import (replica_eval_terms, replica_logit_shard, replica_logits,
-                                  replica_train_step, whole_logits)
+                                  replica_train_step, shard_index, whole_logits)
 from owt_tf.parallel.strategy import HybridStrategy
 
 
@@ -132,7 +133,8 @@ class StepDriver:
                "finite": tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in checks])}
         if with_grads:
             out["trunk_grads"] = trunk_grads
-            out["fc_grads"] = rounds.fc_grads
+            out["fc_grads"] = [whole_shard_gradients(model.head, shard_index(self.rounds), g, s)
+                               for g, s in zip(rounds.fc_grads, rounds.fc_samples)]
         return out
 
     def _replica_logits(self, model, images):

@@ -10,20 +10,23 @@ context with MirroredStrategy (its maybe_merge_call needs a replica context). Be
 K replica gradients are summed, each replica adds weight_decay/K * w.
 
 FC shards are never all-reduced: each replica updates its own shard in place with the same
-rule (`ShardSGD`, an owt_tf.parallel.head.state.ShardOptimizer, so the head's state is
+rule (`ShardSGD`; under Partial FC sampling the class layer's sampled rows only,
+owt_tf.parallel.head.sparse, an owt_tf.parallel.head.state.ShardOptimizer, so the head's state is
 saved as the Keras path saves it). Passing shard gradients through Keras' all-reduce raises no error and
 gives silently wrong weights (docs/design.md), so the two kinds never share an optimizer.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import keras
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
 
+from owt_tf.parallel.head.sampling import SampledColumns
+from owt_tf.parallel.head.sparse import sampled_sgd
 from owt_tf.planner import ledger
 
 
@@ -60,8 +63,9 @@ class MirroredFcSGD(MirroredSGD):
 
     kind, num_slots, iterations = "SGD", 1, None  # a ShardOptimizer; the run's step counts
 
-    def apply(self, shard: int, grads: Sequence[tf.Tensor]) -> None:  # type: ignore[override]
-        super().apply(grads)
+    def apply(self, shard: int, grads: Sequence[tf.Tensor],  # type: ignore[override]
+              sample: Optional[SampledColumns] = None) -> None:
+        super().apply(grads)  # never sampled: data parallelism cannot sample
 
     def slots(self, shard: int) -> List[tf.Variable]:
         """Momentum of each variable, in the order the variables were given."""
@@ -99,11 +103,17 @@ class ShardSGD(tf.Module):
     def state_variables(self) -> List[tf.Variable]:
         return [m for slots in self.slots_by_shard.values() for m in slots]
 
-    def apply(self, shard: int, grads: Sequence[tf.Tensor]) -> None:
+    def apply(self, shard: int, grads: Sequence[tf.Tensor],
+              sample: Optional[SampledColumns] = None) -> None:
         lr = tf.identity(self.learning_rate)
-        for v, m, g in zip(self._vars[shard], self.slots_by_shard[shard], grads):
+        variables, slots = self._vars[shard], self.slots_by_shard[shard]
+        dense = len(variables) - (2 if sample is not None else 0)
+        for v, m, g in zip(variables[:dense], slots[:dense], grads[:dense]):
             m.assign(self.momentum * m - lr * (g + self.weight_decay * v))
             v.assign_add(m)
+        if sample is not None:  # the class layer: its sampled rows only
+            sampled_sgd(variables[dense:], slots[dense:], grads[dense:], sample, lr,
+                        self.momentum, weight_decay=self.weight_decay, decoupled_decay=False)
 
 
 @dataclasses.dataclass

@@ -15,8 +15,7 @@ import tensorflow as tf
 from owt_tf.parallel import collectives as coll
 
 from owt_tf.planner import ledger
-from owt_tf.parallel.head import sampling
-from owt_tf.parallel.head.layout import COL, ROW, ShardedHead, on_joined_rows, per_round
+from owt_tf.parallel.head.layout import COL, ROW, SampledRows, ShardedHead, on_joined_rows, per_round
 
 
 def forward(head: ShardedHead, x: tf.Tensor, k: Optional[int], training: bool, seed: Optional[tf.Tensor]) -> tf.Tensor:
@@ -34,11 +33,11 @@ def forward(head: ShardedHead, x: tf.Tensor, k: Optional[int], training: bool, s
 def forward_rounds(head: ShardedHead, xs: Sequence[tf.Tensor], k: Optional[int], training: bool,
                    seeds: Sequence[Optional[tf.Tensor]],
                    rounds: Optional[Sequence[int]] = None,
-                   sample: Optional[sampling.SampledColumns] = None) -> List[tf.Tensor]:
+                   sample: Optional[SampledRows] = None) -> List[tf.Tensor]:
     """`forward` of several rounds' rows, layer by layer: each round's compute on its own
     (xs[i] under the name scope f"fc_round{rounds[i]}" when rounds are given), one
-    collective per layer for all of them. With a `sample` (sampling.sample_columns) the
-    logits are of its columns only: [rows, S]. `k` None: every shard joined on this
+    collective per layer for all of them. With a `sample` (the class layer's
+    sampled_rows) the logits are of its classes only: [rows, S]. `k` None: every shard joined on this
     device, no collective, unpadded logits (inference only; all shards in this process)."""
     joined = k is None
     if joined and (training or sample is not None):
@@ -62,7 +61,7 @@ def forward_rounds(head: ShardedHead, xs: Sequence[tf.Tensor], k: Optional[int],
         xs = hs
     if joined:
         return layers[-1].joined_rounds(xs, rounds)
-    return layers[-1].forward_shard_rounds(xs, k, rounds, None if sample is None else sample.ids)
+    return layers[-1].forward_shard_rounds(xs, k, rounds, sample)
 
 
 def outputs(head: ShardedHead, logits: tf.Tensor) -> tf.Tensor:

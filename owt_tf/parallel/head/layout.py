@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -49,6 +49,47 @@ def padded(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
+class WholeWeights:
+    """A whole FC layer's (kernel [in, out], bias [out]) -- weights or optimizer slots --
+    read a part at a time, so that a shard is made without the whole in memory: whole
+    arrays (ArrayWeights), a built Keras layer's variables, or a Keras initializer drawn
+    part by part (owt_tf.models.head_weights)."""
+
+    shape: Tuple[int, int]
+    dtype: np.dtype
+
+    def kernel_columns(self, start: int, stop: int) -> np.ndarray:
+        """kernel[:, start:stop] (stop <= out)."""
+        raise NotImplementedError
+
+    def kernel_rows(self, start: int, stop: int) -> np.ndarray:
+        """kernel[start:stop, :]."""
+        raise NotImplementedError
+
+    def bias(self, start: int, stop: int) -> np.ndarray:
+        """bias[start:stop]."""
+        raise NotImplementedError
+
+
+class ArrayWeights(WholeWeights):
+    """Whole numpy arrays (a cosine layer's missing bias: zeros)."""
+
+    def __init__(self, kernel: np.ndarray, bias: Optional[np.ndarray]):
+        self._kernel = np.asarray(kernel)
+        self.shape = tuple(self._kernel.shape)
+        self.dtype = self._kernel.dtype
+        self._bias = np.zeros((self.shape[1],), self.dtype) if bias is None else np.asarray(bias)
+
+    def kernel_columns(self, start: int, stop: int) -> np.ndarray:
+        return self._kernel[:, start:stop]
+
+    def kernel_rows(self, start: int, stop: int) -> np.ndarray:
+        return self._kernel[start:stop]
+
+    def bias(self, start: int, stop: int) -> np.ndarray:
+        return self._bias[start:stop]
+
+
 class ShardedDense(tf.Module):
     """One FC layer as K kernel/bias shards, shard k on devices[k].
 
@@ -58,101 +99,171 @@ class ShardedDense(tf.Module):
     i.e. mirrored.
     """
 
-    def __init__(self, name: str, kernel: np.ndarray, bias: np.ndarray, split: str,
+    def __init__(self, name: str, kernel: Union[np.ndarray, "WholeWeights"],
+                 bias: Optional[np.ndarray], split: str,
                  devices: Sequence[Optional[str]], local: Optional[Sequence[int]] = None,
-                 cosine: bool = False):
+                 cosine: bool = False, class_major: bool = False):
         super().__init__(name=name)
         if cosine and split != COL:
             raise ValueError(f"{name}: a cosine layer is split by columns (classes)")
+        if class_major and split != COL:
+            raise ValueError(f"{name}: only a class (column-split) layer is kept class-major")
         self.split = split
         # A cosine layer (owt_tf.layers.NormalizedDense): each shard normalises its own
         # columns (a column's norm is local to its shard) and the rows, which every replica
         # holds whole; no bias (its variables stay zero and are never read).
         self.cosine = cosine
         self.use_bias = not cosine
-        self.in_dim, self.out_dim = kernel.shape
+        # Class-major: shard k's kernel is stored [classes of the shard, in] (its transpose),
+        # so that a sampled update's classes are rows: gathered and scattered whole, in
+        # place (Partial FC's sparse update; a column scatter of [in, width] costs more than
+        # the dense update). Files and views see the usual [in, out] (`assemble`).
+        self.class_major = class_major
+        source = kernel if isinstance(kernel, WholeWeights) else ArrayWeights(kernel, bias)
+        self.in_dim, self.out_dim = source.shape
         self.num_shards = k = len(devices)
         self.padded_out = padded(self.out_dim, k) if split == COL else self.out_dim
         if split == ROW and (self.in_dim % k or self.out_dim % k):
             raise ValueError(f"{name}: row split needs in ({self.in_dim}) and out "
                              f"({self.out_dim}) divisible by {k}")
         self.local_shards: List[int] = list(range(k) if local is None else local)
-        kernel_parts, bias_parts = self.split_full(kernel, bias)
         # Lists by shard index (None: a shard held by another process); a SavedModel can
         # hold lists, not dicts with int keys.
         self.kernels: List[Optional[tf.Variable]] = [None] * k
         self.biases: List[Optional[tf.Variable]] = [None] * k
         for i in self.local_shards:
+            # Each shard drawn or read on its own: no whole-layer temporary (a 10M-class
+            # head is 5 GB a copy).
+            kernel_part, bias_part = self.shard_part(source, i)
             with tf.device(devices[i]):
-                self.kernels[i] = tf.Variable(kernel_parts[i], name=f"{name}_kernel_{i}")
-                self.biases[i] = tf.Variable(bias_parts[i], name=f"{name}_bias_{i}")
+                self.kernels[i] = tf.Variable(kernel_part, name=f"{name}_kernel_{i}")
+                self.biases[i] = tf.Variable(bias_part, name=f"{name}_bias_{i}")
+            del kernel_part, bias_part
+
+    def shard_part(self, source: "WholeWeights", k: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Shard k's (kernel, bias) of a whole layer's values -- weights or momenta -- as
+        its variables hold them: padded, class-major where the layer is."""
+        width = (self.padded_out if self.split == COL else self.in_dim) // self.num_shards
+        start, stop = k * width, (k + 1) * width
+        if self.split == ROW:
+            bias = source.bias(0, self.out_dim)
+            return source.kernel_rows(start, stop), np.split(bias, self.num_shards)[k]
+        real = min(stop, self.out_dim)
+        kernel = source.kernel_columns(start, real) if real > start else None
+        bias = source.bias(start, real) if real > start else None
+        if real < stop:  # the padded columns of the last shard(s)
+            dtype = source.dtype
+            pad = np.zeros((self.in_dim, stop - max(start, real)), dtype)
+            kernel = pad if kernel is None else np.concatenate([kernel, pad], axis=1)
+            bias_pad = np.zeros((stop - max(start, real),), dtype)
+            bias = bias_pad if bias is None else np.concatenate([bias, bias_pad])
+        return (np.ascontiguousarray(kernel.T) if self.class_major else kernel), bias
 
     def split_full(self, kernel: np.ndarray, bias: np.ndarray) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-        """A whole (kernel, bias) -- weights or momenta -- cut into this layer's shards, padded."""
-        pad = self.padded_out - self.out_dim
-        if pad:  # np.pad copies even when there is nothing to add: a whole head's worth
-            kernel = np.pad(kernel, [(0, 0), (0, pad)])
-        return (np.split(kernel, self.num_shards, axis=1 if self.split == COL else 0),
-                np.split(np.pad(bias, [(0, pad)]), self.num_shards))
+        """A whole (kernel, bias) -- weights or momenta -- cut into this layer's shards as
+        their variables hold them (padded, class-major where the layer is)."""
+        parts = [self.shard_part(ArrayWeights(kernel, bias), k) for k in range(self.num_shards)]
+        return [p[0] for p in parts], [p[1] for p in parts]
 
     def shard_variables(self, k: int) -> List[tf.Variable]:
         return [self.kernels[k], self.biases[k]]
 
     def joined_variables(self) -> Tuple[tf.Tensor, tf.Tensor]:
-        """The whole (kernel, bias) as tensors, joined from every shard (all must be local)."""
-        if len(self.local_shards) != self.num_shards:
-            raise RuntimeError(f"{self.name}: joining shards needs every shard in this process")
+        """The whole (kernel [in, out], bias) as tensors, joined from every shard (all must be
+        local)."""
+        self._check_all_local()
         ks = [self.kernels[i] for i in range(self.num_shards)]
         bs = [self.biases[i] for i in range(self.num_shards)]
-        kernel = tf.concat(ks, axis=1 if self.split == COL else 0)
+        if self.class_major:
+            kernel = tf.transpose(tf.concat(ks, axis=0))
+        else:
+            kernel = tf.concat(ks, axis=1 if self.split == COL else 0)
         bias = tf.concat(bs, axis=0)
         return kernel[:, :self.out_dim], bias[:self.out_dim]
+
+    def _check_all_local(self) -> None:
+        if len(self.local_shards) != self.num_shards:
+            raise RuntimeError(f"{self.name}: joining shards needs every shard in this process")
 
     def joined_rounds(self, xs: Sequence[tf.Tensor],
                       rounds: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
         """x @ kernel + bias for every round's rows x, with every shard joined on this device
-        (unpadded): what a one-device Dense layer with these weights computes."""
+        (unpadded): what a one-device Dense layer with these weights computes. A class-major
+        layer's shards are multiplied one by one and their logits joined: its kernel is
+        never joined (5 GB for 10M classes of 128)."""
+        if self.class_major:
+            self._check_all_local()
+
+            def logits(x, i):
+                parts = [self._products([x], k, None, None)[0] for k in range(self.num_shards)]
+                return tf.concat(parts, axis=1)[:, :self.out_dim]
+
+            return per_round(logits, xs, rounds)
         kernel, bias = (tf.cast(v, xs[0].dtype) for v in self.joined_variables())
         if self.cosine:
             kernel = l2_normalize(kernel, axis=0)
             return per_round(lambda x, i: tf.matmul(l2_normalize(x, axis=-1), kernel), xs, rounds)
         return per_round(lambda x, i: tf.matmul(x, kernel) + bias, xs, rounds)
 
+    def sampled_rows(self, k: int, sample: sampling.SampledColumns) -> "SampledRows":
+        """Shard k's sampled classes: their kernel rows and biases, read from the variables
+        (a class-major layer's rows: one gather each). Taken inside the step's tape, they are
+        what the update differentiates: its gradient is [S, in], never the shard's width."""
+        if not self.class_major:
+            raise ValueError(f"{self.name}: a sampled update needs the class-major layout")
+        return SampledRows(sample, tf.gather(self.kernels[k], sample.ids),
+                           tf.gather(self.biases[k], sample.ids))
+
     def forward_shard_rounds(self, xs: Sequence[tf.Tensor], k: int,
                              rounds: Optional[Sequence[int]] = None,
-                             columns: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
+                             sampled: Optional["SampledRows"] = None) -> List[tf.Tensor]:
         """x @ kernel_k + bias_k for every round's rows x in xs, in x's dtype (float32
         weights are cast, as Keras' mixed precision does: their gradients stay float32).
         Each round's product on its own (under the name scope of round rounds[i] if given:
         it may start as soon as that round's rows arrive), their backward as one product over
         all rounds' rows (`_rounds_matmul`). For ROW, x is this shard's input slice and the
         bias slice lands on its own columns, so the all-reduce that follows adds every bias
-        once. `columns` (COL only): the shard's column ids to compute, not all of them."""
-        kernel, bias = self.kernels[k], self.biases[k]
-        if columns is not None:
-            kernel, bias = sampling.gather_columns(kernel, bias, columns)
+        once. `sampled` (sampled_rows): compute the sampled classes only, [rows, S]."""
+        return self._products(xs, k, rounds, sampled)
+
+    def _products(self, xs, k, rounds, sampled):
+        if sampled is not None:
+            kernel, bias = sampled.kernel, sampled.bias
+        else:
+            kernel, bias = self.kernels[k], self.biases[k]
         kernel, bias = (tf.cast(v, xs[0].dtype) for v in (kernel, bias))
+        transposed = self.class_major
         if self.cosine:
-            products = _rounds_matmul([l2_normalize(x, axis=-1) for x in xs],
-                                      l2_normalize(kernel, axis=0), rounds)
-            return list(products)
+            kernel = l2_normalize(kernel, axis=1 if transposed else 0)
+            return list(_rounds_matmul([l2_normalize(x, axis=-1) for x in xs], kernel, rounds,
+                                       transposed))
         if self.split == ROW:
             width = self.out_dim // self.num_shards
             bias = tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])
-        products = _rounds_matmul(list(xs), kernel, rounds)
+        products = _rounds_matmul(list(xs), kernel, rounds, transposed)
         return per_round(lambda y, i: y + bias, products, rounds)
 
 
+class SampledRows(NamedTuple):
+    """A sampled update's part of a class-major shard: `sample` (its class ids), and
+    `kernel` [S, in], `bias` [S] gathered from the shard's variables."""
+
+    sample: sampling.SampledColumns
+    kernel: tf.Tensor
+    bias: tf.Tensor
+
+
 def _rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
-                   rounds: Optional[Sequence[int]]) -> List[tf.Tensor]:
-    """[x @ kernel for x in xs], each product under its round's name scope. Backward: the
+                   rounds: Optional[Sequence[int]], transposed: bool = False) -> List[tf.Tensor]:
+    """[x @ kernel for x in xs] (`transposed`: kernel is [out, in], x @ kernel^T), each
+    product under its round's name scope. Backward: the
     kernel's gradient as one product of all rounds' rows joined, not one per round summed:
     a round of B rows reads and writes the whole kernel gradient, so K rounds of a
     9216x1024 shard moved K times its 38 MB (paper AlexNet's first FC layer), the
     memory traffic that made owt-b and owt-c slower than owt-a on a CPU. The same sum,
     in another order."""
     def each_round(kernel, xs):
-        return per_round(lambda x, i: tf.matmul(x, kernel), xs, rounds)
+        return per_round(lambda x, i: tf.matmul(x, kernel, transpose_b=transposed), xs, rounds)
 
     if len(xs) == 1:
         return each_round(kernel, xs)
@@ -164,10 +275,14 @@ def _rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
         def grad(*dys):
             dys = [tf.zeros_like(y) if dy is None else dy for y, dy in zip(ys, dys)]
             dy = tf.concat(dys, axis=0)
-            dkernel = tf.matmul(tf.concat(xs, axis=0), dy, transpose_a=True)
-            dxs = tf.split(tf.matmul(dy, kernel, transpose_b=True),
-                           [int(x.shape[0]) for x in xs], axis=0)
-            return [dkernel] + dxs
+            x = tf.concat(xs, axis=0)
+            if transposed:
+                dkernel = tf.matmul(dy, x, transpose_a=True)
+                dx = tf.matmul(dy, kernel)
+            else:
+                dkernel = tf.matmul(x, dy, transpose_a=True)
+                dx = tf.matmul(dy, kernel, transpose_b=True)
+            return [dkernel] + tf.split(dx, [int(x.shape[0]) for x in xs], axis=0)
 
         return ys, grad
 
@@ -176,7 +291,10 @@ def _rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
 
 def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
              bias_parts: Sequence[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
-    """Joins per-shard kernel and bias arrays (weights, gradients or momenta) of `layer`."""
+    """Joins per-shard kernel and bias arrays (weights, gradients or momenta, as the
+    shards' variables hold them) of `layer` into the whole [in, out] and [out]."""
+    if layer.class_major:
+        kernel_parts = [np.transpose(p) for p in kernel_parts]
     kernel = np.concatenate(kernel_parts, axis=1 if layer.split == COL else 0)
     bias = np.concatenate(bias_parts, axis=0)
     return kernel[:, :layer.out_dim], bias[:layer.out_dim]
@@ -239,11 +357,20 @@ class HeadLoss:
             raise ValueError(f"sample_rate={self.sample_rate:g}: {problem}")
 
 
+def _kernel_and_bias(weights) -> Tuple[object, Optional[np.ndarray]]:
+    """A layer's initial values as ShardedDense takes them: a WholeWeights, or whole arrays."""
+    if isinstance(weights, WholeWeights):
+        return weights, None
+    kernel, bias = weights
+    return kernel, bias
+
+
 class ShardedHead(tf.Module):
     """The FC layers of a HeadSpec, split for K shards: the state of the head. Its forward
     pass is owt_tf.parallel.head.forward, its loss owt_tf.parallel.head.loss."""
 
-    def __init__(self, spec: HeadSpec, full_weights: Sequence[Tuple[np.ndarray, np.ndarray]],
+    def __init__(self, spec: HeadSpec,
+                 full_weights: Sequence[Union[Tuple[np.ndarray, np.ndarray], WholeWeights]],
                  devices: Sequence[Optional[str]], fc_exchange: str = "gather",
                  loss: Optional[HeadLoss] = None, local: Optional[Sequence[int]] = None,
                  compute_dtype: str = "float32"):
@@ -259,10 +386,14 @@ class ShardedHead(tf.Module):
         # always float32 (a bfloat16 or float16 softmax loses the small probabilities).
         self.compute_dtype = tf.as_dtype(compute_dtype)
         splits = layer_splits(len(spec.widths), fc_exchange)
+        last = len(spec.widths) - 1
+        # A sampled head keeps its class layer class-major (ShardedDense): a Partial FC
+        # update then reads and writes its sampled classes as whole rows.
+        sampled = self.loss.sample_rate < 1.0
         self.layers = [
-            ShardedDense(f"fc{i}", kern, bias, split, devices, local,
-                         cosine=spec.cosine and i == len(spec.widths) - 1)
-            for i, ((kern, bias), split) in enumerate(zip(full_weights, splits))
+            ShardedDense(f"fc{i}", *_kernel_and_bias(weights), split, devices, local,
+                         cosine=spec.cosine and i == last, class_major=sampled and i == last)
+            for i, (weights, split) in enumerate(zip(full_weights, splits))
         ]
         self.local_shards: List[int] = self.layers[0].local_shards
 
@@ -289,12 +420,13 @@ class ShardedHead(tf.Module):
         """Splits layer i's whole (kernel, bias) -- weights or a slot -- into this process's
         shards' variables, block `group` of `shard_state(k)` (the join_groups layout)."""
         n = 2 * len(self.layers)
-        kernel_parts, bias_parts = self.layers[i].split_full(kernel, bias)
+        whole = ArrayWeights(kernel, bias)
         ops = []
         for k in self.local_shards:
             state = shard_state(k)
-            ops.append(state[group * n + 2 * i].assign(kernel_parts[k]))
-            ops.append(state[group * n + 2 * i + 1].assign(bias_parts[k]))
+            kernel_part, bias_part = self.layers[i].shard_part(whole, k)
+            ops.append(state[group * n + 2 * i].assign(kernel_part))
+            ops.append(state[group * n + 2 * i + 1].assign(bias_part))
         return ops
 
     def shard_width(self) -> int:

@@ -4,15 +4,18 @@ random sample of its other classes, ceil(sample_rate x the shard's classes) in a
 positive when they are more).
 
 The kept columns are chosen before the forward pass (the labels are known then), as a
-static-size vector of column ids (`SampledColumns`): the last FC layer multiplies by those
-columns of its kernel only (`gather_columns`), so its logits are [rows, S] instead of
-[rows, shard classes], and its matmuls, forward and backward, shrink by about the rate: a
-speed-up. S = the sample's count plus the update's label rows (every positive always fits);
-entries past the real sample are padding, flagged invalid and left out of the softmax, as
-the unsampled classes are. The gradient reaches the whole kernel through the gather: zero
-on unsampled columns, which the optimizer still updates (momentum, weight decay), as
-Partial FC v2 does. Labels given as rows of class weights (one-hot) may name any number of
-classes a row, so there S is the shard's width: exact, but no smaller.
+static-size vector of column ids (`SampledColumns`): the class layer (kept class-major,
+owt_tf.parallel.head.layout) gathers those classes' rows of its kernel only
+(`ShardedDense.sampled_rows`), so its logits are [rows, S] instead of [rows, shard
+classes], and its matmuls, forward and backward, shrink by about the rate. S = the
+sample's count plus the update's label rows (every positive always fits); entries past the
+real sample are padding, flagged invalid and left out of the softmax, as the unsampled
+classes are. The update differentiates the gathered rows, never the whole shard: its
+gradient is [S, in], and the optimizer moves the sampled classes only
+(owt_tf.parallel.head.sparse: weights, momentum and weight decay of a class wait while it is
+not sampled, as the original Partial FC does). Labels given as rows of class weights
+(one-hot) may name any number of classes a row, so there S is the shard's width: exact,
+but no smaller.
 
 The sample is a pure function of the update's seed and the shard (stateless random ops):
 the same step seed gives the same classes, another step or shard other ones.
@@ -20,7 +23,7 @@ the same step seed gives the same classes, another step or shard other ones.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 
@@ -130,35 +133,6 @@ def column_mask(sample: SampledColumns) -> tf.Tensor:
     """bool [width]: which of the shard's columns the sample keeps."""
     kept = tf.cast(sample.valid, tf.int32)
     return tf.scatter_nd(sample.ids[:, None], kept, [sample.width]) > 0
-
-
-def gather_columns(kernel: tf.Tensor, bias: tf.Tensor,
-                   ids: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-    """The kernel's and the bias's columns `ids` (distinct): [in, S] and [S]. Their
-    gradients are dense, zero on the other columns (the FC optimizer updates whole
-    shards; the bias's gather along axis 0 would give IndexedSlices)."""
-    bias_columns = tf.gather(tf.reshape(bias, [1, -1]), ids, axis=1)
-    return _kernel_columns(tf.convert_to_tensor(kernel), ids), tf.reshape(bias_columns, [-1])
-
-
-@tf.custom_gradient
-def _kernel_columns(kernel: tf.Tensor, ids: tf.Tensor):
-    """tf.gather(kernel, ids, axis=1) for distinct ids, its gradient written straight into
-    the kernel's [in, width] layout: TensorFlow's own sums into [width, in] and transposes
-    the whole shard (a 256 x 262,144 shard, 1M classes over 4: 120 ms against 37 ms)."""
-    def grad(dcolumns):
-        rows, width = kernel.shape  # static: the backward holds no reference to the value
-        # Flat positions row * width + id: one index per value, not [row, id] pairs (which
-        # took longer to build than to write).
-        index = tf.int64 if rows * width >= 2 ** 31 else tf.int32
-        at = tf.range(rows, dtype=index)[:, None] * width + tf.cast(ids, index)[None, :]
-        dense = tf.raw_ops.SparseToDense(
-            sparse_indices=tf.reshape(at, [-1]), output_shape=[rows * width],
-            sparse_values=tf.reshape(dcolumns, [-1]),
-            default_value=tf.zeros([], dcolumns.dtype), validate_indices=False)
-        return tf.reshape(dense, [rows, width]), None
-
-    return tf.gather(kernel, ids, axis=1), grad
 
 
 def label_positions(local_labels: tf.Tensor, sample: Optional[SampledColumns],

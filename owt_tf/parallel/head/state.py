@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.parallel.head.layout import ShardedHead, ShardReader, read_local_shards
+from owt_tf.parallel.head.sampling import SampledColumns
 
 KIND_KEY = "fc_optimizer_kind"
 ITERATIONS_KEY = "fc_iterations"
@@ -40,8 +41,11 @@ class ShardOptimizer(Protocol):
     kind: str  # the optimizer's class name: slots restore only into the same kind
     num_slots: int  # state tensors per weight (SGD with momentum: 1, Adam: 2)
 
-    def apply(self, shard: int, grads: Sequence[tf.Tensor]) -> None:
-        """One update of shard `shard` with its gradients (in head.shard_variables order)."""
+    def apply(self, shard: int, grads: Sequence[tf.Tensor],
+              sample: Optional[SampledColumns] = None) -> None:
+        """One update of shard `shard` with its gradients (in head.shard_variables order;
+        under a class `sample`, the class layer's of its sampled rows: only they move,
+        owt_tf.parallel.head.sparse)."""
 
     def slots(self, shard: int) -> List[tf.Variable]:
         """Shard `shard`'s state, slot by slot, each in head.shard_variables order."""

@@ -1,0 +1,77 @@
+"""The sampled update of a class layer (Partial FC): what moves when an FC update keeps only
+a sample of each shard's classes.
+
+Only the sampled classes move. Their rows of the kernel (the layer is class-major, so a
+class is a row), their biases, their momentum and their weight decay are updated as SGD
+would update them; every other class -- its weights, its momentum, its decay -- waits
+untouched until it is sampled again. That is the original Partial FC's rule (InsightFace's
+v1: the sampled rows of the weight and of the momentum are gathered, updated and written
+back). Its cost is the sample's, never the head's: two row gathers and two row scatters
+per variable, in place. Padding entries of a sample (ids past its real size, `valid`
+False) are written back unchanged.
+
+A rate of 1 never comes here: the dense update stays exactly the one-device update.
+Optimizers other than SGD are refused with a sample (owt_tf.fit.compiling): Adam's moments
+and bias correction have no sparse form that equals the dense one, and TensorFlow's lazy
+Adam left with TF Addons.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from owt_tf.parallel.head.sampling import SampledColumns
+
+SPARSE_OPTIMIZERS = ("SGD",)
+
+
+def sampled_sgd(variables: Sequence[tf.Variable], slots: Optional[Sequence[tf.Variable]],
+                grads: Sequence[tf.Tensor], sample: SampledColumns, learning_rate: tf.Tensor,
+                momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
+                decoupled_decay: bool = True) -> None:
+    """SGD on the sampled rows of a class-major layer's `variables` (kernel [width, in],
+    bias [width]) given their gradients `grads` ([S, in], [S]) and, with momentum, their
+    `slots`. Keras' SGD rule (velocity = momentum x velocity - lr x g; w += velocity, or
+    w += momentum x velocity - lr x g with Nesterov); `weight_decay` decoupled as Keras
+    applies it (w -= w x decay x lr first) or, with `decoupled_decay` False, added to the
+    gradient (the CLI's SGD: g + decay x w)."""
+    keep = sample.valid
+    for i, (variable, grad) in enumerate(zip(variables, grads)):
+        lr = tf.cast(learning_rate, variable.dtype)
+        old = tf.gather(variable, sample.ids)
+        grad = tf.cast(grad, variable.dtype)
+        weights = old
+        if weight_decay and decoupled_decay:
+            weights = weights - weights * tf.cast(weight_decay, variable.dtype) * lr
+        elif weight_decay:
+            grad = grad + tf.cast(weight_decay, variable.dtype) * weights
+        mask = tf.reshape(keep, [-1] + [1] * (len(old.shape) - 1))
+        if momentum and slots is not None:
+            slot = slots[i]
+            old_velocity = tf.gather(slot, sample.ids)
+            velocity = momentum * old_velocity - lr * grad
+            step = momentum * velocity - lr * grad if nesterov else velocity
+            slot.scatter_update(tf.IndexedSlices(tf.where(mask, velocity, old_velocity),
+                                                 sample.ids))
+        else:
+            step = -lr * grad
+        variable.scatter_update(tf.IndexedSlices(tf.where(mask, weights + step, old), sample.ids))
+
+
+def dense_gradients(variables: Sequence[tf.Variable], grads: Sequence[tf.Tensor],
+                    sample: SampledColumns) -> list:
+    """The sampled rows' gradients scattered into zeros shaped like `variables`: for reports
+    and tests that compare whole gradients (a training step never builds them)."""
+    return [tf.scatter_nd(sample.ids[:, None], g, tf.shape(v, out_type=sample.ids.dtype))
+            for v, g in zip(variables, grads)]
+
+
+def whole_shard_gradients(head, shard: int, grads: Sequence[tf.Tensor],
+                          sample: Optional[SampledColumns]) -> list:
+    """One FC update's gradients of shard `shard` shaped like its variables (the class
+    layer's sampled rows scattered into zeros under a sample)."""
+    if sample is None:
+        return list(grads)
+    class_layer = head.layers[-1].shard_variables(shard)
+    return list(grads[:-2]) + dense_gradients(class_layer, grads[-2:], sample)
