@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import keras
 import numpy as np
 
 from owt_tf.layers import NormalizedDense
+from owt_tf.models.head_weights import InitializerWeights, WholeWeights
 from owt_tf.models.spec import OUTPUT_ACTIVATIONS, HeadSpec
 
 
@@ -30,11 +31,12 @@ class UnsupportedModel(ValueError):
 @dataclasses.dataclass
 class KerasSplit:
     """A Keras model as trunk + head: the trunk shares the original's layers (clone it to
-    place it); `head_weights` are the Dense layers' (kernel, bias), whole."""
+    place it); `head_weights` are the Dense layers' (kernel, bias), whole, or what draws
+    them a part at a time (a model never built: split_unbuilt_sequential)."""
 
     trunk: Optional[keras.Model]  # None once released (release_clone)
     head: HeadSpec
-    head_weights: List[Tuple[np.ndarray, np.ndarray]]
+    head_weights: List[Union[Tuple[np.ndarray, np.ndarray], WholeWeights]]
     dense_names: List[str]
     input_shape: Tuple[int, ...]
     # The head's compute dtype: its first Dense layer's (Keras' mixed-precision policy). The
@@ -265,3 +267,52 @@ def split_keras_model(model: keras.Model, allow_float16: bool = False) -> KerasS
     trunk = keras.Model(inputs[0], features, name=f"{model.name}_trunk")
     return KerasSplit(trunk, spec, weights, names, tuple(inputs[0].shape[1:]),
                       dense[0].dtype_policy.compute_dtype)
+
+
+def split_unbuilt_sequential(model: keras.Sequential, input_shape: Tuple[int, ...],
+                             seed: int, allow_float16: bool = False) -> KerasSplit:
+    """A Sequential never built (no keras.Input: none of its layers holds weights) split for
+    inputs of `input_shape`: the trunk is built from fresh copies of its layers, the head's
+    weights are drawn shard by shard from each Dense's initializers (head_weights), never
+    whole. The way to a head too large for one device (10M classes)."""
+    layers = list(model.layers)
+    cut = len(layers)
+    while cut and isinstance(layers[cut - 1], _HEAD_TYPES):
+        cut -= 1
+    chain = layers[cut:]
+    while chain and not isinstance(chain[0], _FC_TYPES):
+        chain.pop(0)
+        cut += 1
+    if chain and isinstance(chain[-1], NormalizedDense):  # a cosine class layer: the head
+        cut, chain = len(layers) - 1, chain[-1:]
+    if not chain:
+        raise UnsupportedModel(f"model {model.name}: its last layer is not a Dense layer "
+                               "(owt_tf shards the Dense layers at the end of a model)")
+    trunk_layers = [type(layer).from_config(layer.get_config()) for layer in layers[:cut]]
+    trunk = keras.Sequential([keras.Input(tuple(input_shape))] + trunk_layers,
+                             name=f"{model.name}_trunk")
+    features = trunk.outputs[0]
+    if len(features.shape) != 2:
+        raise UnsupportedModel(f"layer {chain[0].name}: its input has shape "
+                               f"{tuple(features.shape)}; the first Dense of the head needs a "
+                               "rank-2 input (put Flatten or GlobalAveragePooling2D before it)")
+    if not isinstance(chain[0], NormalizedDense):
+        for layer in trunk.layers:
+            if isinstance(layer, keras.layers.Dense) and len(layer.input.shape) == 2:
+                raise UnsupportedModel(f"layer {layers[cut - 1].name}: a "
+                                       f"{type(layers[cut - 1]).__name__} inside the FC head "
+                                       f"(after {layer.name}); the head must be a chain of "
+                                       "Dense, Activation and Dropout layers")
+    if not allow_float16:
+        _check_no_float16(trunk)
+    spec, names = _head_spec(chain)
+    dense = [layer for layer in chain if isinstance(layer, _FC_TYPES)]
+    widths = [int(features.shape[-1])] + [int(d.units) for d in dense]
+    weights = [InitializerWeights(d, widths[i], seed + i) for i, d in enumerate(dense)]
+    return KerasSplit(trunk, spec, weights, names, tuple(input_shape),
+                      dense[0].dtype_policy.compute_dtype)
+
+
+def is_unbuilt_sequential(model) -> bool:
+    """A Sequential that was never built (no keras.Input, never called): no weights yet."""
+    return isinstance(model, keras.Sequential) and not model.built

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.layers import l2_normalize
+from owt_tf.models.head_weights import ArrayWeights, WholeWeights
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel.head import sampling
 from owt_tf.parallel.head.metrics import ShardedLoss
@@ -47,47 +48,6 @@ def layer_splits(num_layers: int, fc_exchange: str) -> List[str]:
 
 def padded(n: int, k: int) -> int:
     return -(-n // k) * k
-
-
-class WholeWeights:
-    """A whole FC layer's (kernel [in, out], bias [out]) -- weights or optimizer slots --
-    read a part at a time, so that a shard is made without the whole in memory: whole
-    arrays (ArrayWeights), a built Keras layer's variables, or a Keras initializer drawn
-    part by part (owt_tf.models.head_weights)."""
-
-    shape: Tuple[int, int]
-    dtype: np.dtype
-
-    def kernel_columns(self, start: int, stop: int) -> np.ndarray:
-        """kernel[:, start:stop] (stop <= out)."""
-        raise NotImplementedError
-
-    def kernel_rows(self, start: int, stop: int) -> np.ndarray:
-        """kernel[start:stop, :]."""
-        raise NotImplementedError
-
-    def bias(self, start: int, stop: int) -> np.ndarray:
-        """bias[start:stop]."""
-        raise NotImplementedError
-
-
-class ArrayWeights(WholeWeights):
-    """Whole numpy arrays (a cosine layer's missing bias: zeros)."""
-
-    def __init__(self, kernel: np.ndarray, bias: Optional[np.ndarray]):
-        self._kernel = np.asarray(kernel)
-        self.shape = tuple(self._kernel.shape)
-        self.dtype = self._kernel.dtype
-        self._bias = np.zeros((self.shape[1],), self.dtype) if bias is None else np.asarray(bias)
-
-    def kernel_columns(self, start: int, stop: int) -> np.ndarray:
-        return self._kernel[:, start:stop]
-
-    def kernel_rows(self, start: int, stop: int) -> np.ndarray:
-        return self._kernel[start:stop]
-
-    def bias(self, start: int, stop: int) -> np.ndarray:
-        return self._bias[start:stop]
 
 
 class ShardedDense(tf.Module):
