@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default="softmax", choices=("softmax", "arcface"),
                    help="with --big-head: the class layer, a Dense softmax or a face model's "
                         "cosine layer (NormalizedDense) trained with ArcFace")
+    p.add_argument("--features", type=int, default=256,
+                   help="with --big-head: the head's input width (the trunk's features; a "
+                        "face model's embedding: 128 or 512)")
     p.add_argument("--keras-step", action="store_true",
                    help="one model's step three ways, each in a fresh process: the CLI's, "
                         "owt_tf.parallelize(model).fit and MirroredStrategy fit (the first "
@@ -430,7 +433,7 @@ def _big_head_main(parser, args) -> int:
     k = args.devices[0]
     records = big_head.run_big_head(big_head.BigHeadArgs(
         args.classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners, rates,
-        args.head))
+        args.head, args.features))
     print(big_head.format_big_head_table(records))
     if args.out:
         big_head.write_json(args.out, records)

@@ -69,10 +69,11 @@ HEADS = ("softmax", "arcface")
 
 
 def build_big_head_model(classes: int, features: int = FEATURES, side: int = IMAGE_SIDE,
-                         head: str = "softmax"):
+                         head: str = "softmax", built: bool = True):
     """A small conv trunk (two convolutions, global average pooling to `features` values)
     and a `Dense(classes)` softmax head, or a cosine `NormalizedDense(classes)` for ArcFace:
-    the head holds nearly every parameter."""
+    the head holds nearly every parameter. `built` False: no keras.Input, so no weights
+    exist yet (owt_tf draws the head shard by shard: parallelize(..., input_shape=))."""
     import keras
 
     from owt_tf.layers import NormalizedDense
@@ -81,7 +82,7 @@ def build_big_head_model(classes: int, features: int = FEATURES, side: int = IMA
     classifier = (NormalizedDense(classes, name="classes") if head == "arcface" else
                   keras.layers.Dense(classes, activation="softmax", name="classes"))
     return keras.Sequential([
-        keras.Input((side, side, 3)),
+        *([keras.Input((side, side, 3))] if built else []),
         keras.layers.Conv2D(64, 3, strides=2, activation="relu", name="conv1"),
         keras.layers.Conv2D(features, 3, activation="relu", name="conv2"),
         keras.layers.GlobalAveragePooling2D(name="pool"),
@@ -147,21 +148,19 @@ def _fit_and_time(model, classes: int, global_batch: int, warmup: int, steps: in
 
 
 def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
-               steps: int, scheme: str, sample_rate: float = 1.0, head: str = "softmax") -> Dict:
-    """`owt_tf.parallelize(model).fit`; the step's collectives counted while it is traced."""
-    import gc
-
+               steps: int, scheme: str, sample_rate: float = 1.0, head: str = "softmax",
+               features: int = FEATURES) -> Dict:
+    """`owt_tf.parallelize(model).fit`; the step's collectives counted while it is traced.
+    The model is never built whole: its head is drawn shard by shard."""
     import owt_tf
     from owt_tf.planner import ledger
 
-    plain = build_big_head_model(classes, head=head)  # outside the scope: not mirrored
+    plain = build_big_head_model(classes, features, head=head, built=False)
     strategy = owt_tf.HybridStrategy(devices=list(devices), scheme=scheme,
                                      sample_rate=sample_rate)
     with strategy.scope():
-        model = owt_tf.parallelize(plain, seed=0)
+        model = owt_tf.parallelize(plain, seed=0, input_shape=(IMAGE_SIDE, IMAGE_SIDE, 3))
         _compile(model, head)
-    del plain  # the user's one-device copy is no longer needed once split
-    gc.collect()
     with ledger.recording(ledger.TrafficLedger()) as recorded:
         timer = _fit_and_time(model, classes, global_batch, warmup, steps)
     return dict(timer=timer, bytes_per_step=float(recorded.total),
@@ -172,7 +171,7 @@ def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: 
 
 
 def _train_mirrored(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
-                    steps: int, head: str = "softmax") -> Dict:
+                    steps: int, head: str = "softmax", features: int = FEATURES) -> Dict:
     """Plain Keras `fit` under MirroredStrategy: every replica holds the whole model and
     all-reduces every gradient."""
     from owt_tf.runtime.devices import make_strategy
@@ -180,7 +179,7 @@ def _train_mirrored(classes: int, devices: Sequence[str], global_batch: int, war
 
     strategy = make_strategy(devices)
     with strategy.scope():
-        model = build_big_head_model(classes, head=head)
+        model = build_big_head_model(classes, features, head=head)
         _compile(model, head)
     timer = _fit_and_time(model, classes, global_batch, warmup, steps)
     head = model.get_layer("classes").trainable_variables
@@ -203,7 +202,7 @@ def _all_reduce_bytes(variables, k: int) -> float:
 
 def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int, steps: int,
               scheme: str = "owt-b", sample_rate: float = 1.0,
-              head: str = "softmax") -> BigHeadRecord:
+              head: str = "softmax", features: int = FEATURES) -> BigHeadRecord:
     """One runner's training, in this (fresh) process."""
     import tensorflow as tf
 
@@ -213,13 +212,14 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
     devices = setup_devices(k, "cpu")
     baseline = _proc_status_bytes("VmRSS")
     if runner == "owt_tf":
-        out = _train_owt(classes, devices, global_batch, warmup, steps, scheme, sample_rate, head)
+        out = _train_owt(classes, devices, global_batch, warmup, steps, scheme, sample_rate, head,
+                         features)
     else:
-        out = _train_mirrored(classes, devices, global_batch, warmup, steps, head)
+        out = _train_mirrored(classes, devices, global_batch, warmup, steps, head, features)
     timer = out.pop("timer")
     timed = timer.times[warmup:]
     return BigHeadRecord(
-        runner=runner, classes=classes, features=FEATURES, devices=k,
+        runner=runner, classes=classes, features=features, devices=k,
         global_batch=global_batch, warmup=warmup, steps=len(timed),
         step_time_s=statistics.median(timed), step_times_s=timed,
         peak_rss_bytes=_proc_status_bytes("VmHWM"), baseline_rss_bytes=baseline,
@@ -231,7 +231,8 @@ def _child_command(runner: str, args, out: str, sample_rate: float = 1.0) -> Lis
             "--classes", str(args.classes), "--devices", str(args.k),
             "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
             "--steps", str(args.steps), "--scheme", args.scheme,
-            "--sample-rate", repr(sample_rate), "--head", args.head, "--out", out]
+            "--sample-rate", repr(sample_rate), "--head", args.head,
+            "--features", str(args.features), "--out", out]
 
 
 def run_in_fresh_process(runner: str, args, sample_rate: float = 1.0) -> Optional[BigHeadRecord]:
@@ -309,6 +310,7 @@ class BigHeadArgs:
     runners: Sequence[str] = RUNNERS
     sample_rates: Sequence[float] = (1.0,)  # owt_tf runs once per rate
     head: str = "softmax"
+    features: int = FEATURES  # the head's input width
 
 
 def run_big_head(args: BigHeadArgs) -> List[BigHeadRecord]:
@@ -342,13 +344,14 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--scheme", default="owt-b")
     p.add_argument("--sample-rate", type=float, default=1.0)
     p.add_argument("--head", default="softmax", choices=HEADS)
+    p.add_argument("--features", type=int, default=FEATURES)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from owt_tf.runtime.startup import start_tensorflow
 
     start_tensorflow()
     record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,
-                       a.scheme, a.sample_rate, a.head)
+                       a.scheme, a.sample_rate, a.head, a.features)
     with open(a.out, "w") as f:
         json.dump(dataclasses.asdict(record), f)
     return 0

@@ -30,6 +30,8 @@ from owt_tf.parallel.head.metrics import ShardedLoss
 from owt_tf.planner.plan import LOSS_MODES, sampling_problem, widths_problem
 
 COL, ROW = "col", "row"
+# A shard larger than this is made a block of columns at a time (ShardedDense._make_shard).
+_BLOCK_BYTES = 64 << 20
 
 
 def layer_splits(num_layers: int, fc_exchange: str) -> List[str]:
@@ -92,22 +94,47 @@ class ShardedDense(tf.Module):
         self.kernels: List[Optional[tf.Variable]] = [None] * k
         self.biases: List[Optional[tf.Variable]] = [None] * k
         for i in self.local_shards:
-            # Each shard drawn or read on its own: no whole-layer temporary (a 10M-class
-            # head is 5 GB a copy).
-            kernel_part, bias_part = self.shard_part(source, i)
             with tf.device(devices[i]):
-                self.kernels[i] = tf.Variable(kernel_part, name=f"{name}_kernel_{i}")
-                self.biases[i] = tf.Variable(bias_part, name=f"{name}_bias_{i}")
-            del kernel_part, bias_part
+                self.kernels[i], self.biases[i] = self._make_shard(source, i)
 
-    def shard_part(self, source: "WholeWeights", k: int) -> Tuple[np.ndarray, np.ndarray]:
+    def _make_shard(self, source: "WholeWeights", k: int) -> Tuple[tf.Variable, tf.Variable]:
+        """Shard k's variables, drawn or read a block of columns at a time into the variable
+        itself: no whole-layer temporary (a 10M-class head is 5 GB a copy), nor a whole
+        shard's (1.3 GB at K=4), beyond the variable."""
+        name = self.name
+        width = self.shard_columns()
+        if self.split == ROW or self.in_dim * width * 4 <= _BLOCK_BYTES:
+            kernel, bias = self.shard_part(source, k)
+            return (tf.Variable(kernel, name=f"{name}_kernel_{k}"),
+                    tf.Variable(bias, name=f"{name}_bias_{k}"))
+        shape = (width, self.in_dim) if self.class_major else (self.in_dim, width)
+        kernel = tf.Variable(tf.zeros(shape, source.dtype), name=f"{name}_kernel_{k}")
+        biases = []
+        step = max(1, _BLOCK_BYTES // (4 * self.in_dim))
+        for lo in range(0, width, step):
+            hi = min(width, lo + step)
+            block, bias = self.shard_part(source, k, lo, hi)
+            (kernel[lo:hi] if self.class_major else kernel[:, lo:hi]).assign(block)
+            biases.append(bias)
+            del block
+        return kernel, tf.Variable(np.concatenate(biases), name=f"{name}_bias_{k}")
+
+    def shard_columns(self) -> int:
+        """Columns of each shard's kernel (COL: its classes or units; ROW: all of them)."""
+        return self.padded_out // self.num_shards if self.split == COL else self.out_dim
+
+    def shard_part(self, source: "WholeWeights", k: int, lo: int = 0,
+                   hi: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
         """Shard k's (kernel, bias) of a whole layer's values -- weights or momenta -- as
-        its variables hold them: padded, class-major where the layer is."""
-        width = (self.padded_out if self.split == COL else self.in_dim) // self.num_shards
-        start, stop = k * width, (k + 1) * width
+        its variables hold them: padded, class-major where the layer is. `lo`, `hi` (COL):
+        only the shard's columns lo ... hi-1."""
         if self.split == ROW:
+            rows = self.in_dim // self.num_shards
             bias = source.bias(0, self.out_dim)
-            return source.kernel_rows(start, stop), np.split(bias, self.num_shards)[k]
+            return (source.kernel_rows(k * rows, (k + 1) * rows),
+                    np.split(bias, self.num_shards)[k])
+        width = self.shard_columns()
+        start, stop = k * width + lo, k * width + (width if hi is None else hi)
         real = min(stop, self.out_dim)
         kernel = source.kernel_columns(start, real) if real > start else None
         bias = source.bias(start, real) if real > start else None
