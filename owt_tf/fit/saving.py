@@ -18,6 +18,7 @@ from owt_tf.fit import callbacks as keras_callbacks
 from owt_tf.fit import files as keras_files
 from owt_tf.layers import embedding_model, l2_normalize
 from owt_tf.parallel.head import state as head_state
+from owt_tf.parallel.head.layout import copy_shards_into
 
 
 def write_embedding_archive(plain: keras.Model, class_layer: str, path: str,
@@ -37,6 +38,34 @@ def write_embedding_archive(plain: keras.Model, class_layer: str, path: str,
         "embeddings", lambda x: l2_normalize(tf.cast(embedding(x, training=False), tf.float32)),
         input_signature=[spec])
     archive.write_out(path, verbose=False)
+
+
+def _deserialize_with_zero_head(source: dict, dense_names: List[str]) -> keras.Model:
+    """The model rebuilt from its config with its head layers' kernels drawn as zeros (they
+    are overwritten at once; a Glorot draw of a 10M-class head is a 5 GB temporary), their
+    initializers then set back, so that the model's config is the user's."""
+    initializers = {}
+
+    def zero_head(config):
+        if isinstance(config, dict):
+            inner = config.get("config")
+            if isinstance(inner, dict) and inner.get("name") in dense_names \
+                    and "kernel_initializer" in inner:
+                initializers[inner["name"]] = inner["kernel_initializer"]
+                inner["kernel_initializer"] = {"module": "keras.initializers",
+                                               "class_name": "Zeros", "config": {},
+                                               "registered_name": None}
+            for value in config.values():
+                zero_head(value)
+        elif isinstance(config, list):
+            for value in config:
+                zero_head(value)
+
+    zero_head(source)
+    plain = keras.saving.deserialize_keras_object(source)
+    for name, initializer in initializers.items():
+        plain.get_layer(name).kernel_initializer = keras.initializers.deserialize(initializer)
+    return plain
 
 
 class SavingMixin:
@@ -70,14 +99,24 @@ class SavingMixin:
         self._restore_head(state)
 
     def to_keras_model(self) -> keras.Model:
-        """The user's architecture as a plain one-device Keras model with these weights."""
+        """The user's architecture as a plain one-device Keras model with these weights. Its
+        head layers are built on zeros (no random draw to throw away) and filled shard by
+        shard: besides the model itself, no whole copy of the head is made (in a cluster
+        the shards are gathered whole, as every worker must take part)."""
         source = json.loads(self._source_json)
-        plain = outside_strategy_scope(lambda: keras.saving.deserialize_keras_object(source))
+        plain = outside_strategy_scope(lambda: _deserialize_with_zero_head(source,
+                                                                          self._dense_names))
         for layer in self.trunk.layers:
             if layer.weights:
                 plain.get_layer(layer.name).set_weights(layer.get_weights())
-        for name, weights in zip(self._dense_names, self._layer_weights()):
-            plain.get_layer(name).set_weights(weights)
+        if self._hybrid.placement.cluster is not None:
+            for name, weights in zip(self._dense_names, self._layer_weights()):
+                plain.get_layer(name).set_weights(weights)
+            return plain
+        for name, layer in zip(self._dense_names, self.head.layers):
+            target = plain.get_layer(name)
+            copy_shards_into(layer, target.kernel,
+                             target.bias if layer.use_bias else None)
         return plain
 
     def save(self, filepath, overwrite=True, **kwargs):

@@ -287,6 +287,29 @@ def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
     return kernel[:, :layer.out_dim], bias[:layer.out_dim]
 
 
+def copy_shards_into(layer: ShardedDense, kernel, bias=None) -> None:
+    """Assigns every shard of `layer` (all in this process) into a whole [in, out] `kernel`
+    variable and [out] `bias` (a one-device Keras layer's), one shard at a time: no whole
+    copy besides the target."""
+    layer._check_all_local()
+    kernel = getattr(kernel, "value", kernel)  # a Keras variable: its tf.Variable
+    width = layer.shard_columns()
+    for k in range(layer.num_shards):
+        part = layer.kernels[k]
+        if layer.split == ROW:
+            rows = layer.in_dim // layer.num_shards
+            kernel[k * rows:(k + 1) * rows].assign(part)
+            continue
+        start, stop = k * width, min((k + 1) * width, layer.out_dim)
+        if stop <= start:
+            continue
+        value = part[:stop - start] if layer.class_major else part[:, :stop - start]
+        kernel[:, start:stop].assign(tf.transpose(value) if layer.class_major else value)
+    if bias is not None:
+        bias = getattr(bias, "value", bias)
+        bias.assign(tf.concat([layer.biases[k] for k in range(layer.num_shards)], 0)[:layer.out_dim])
+
+
 # Reads the values of every shard's variables, given this process's own shards' variables
 # by shard index: [values of shard 0's variables, ..., of shard K-1's]. In one process a
 # plain read; in a cluster a collective gather (Placement.read_shards).
