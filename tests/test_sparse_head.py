@@ -9,7 +9,6 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import owt_tf
 from owt_tf.fit.compiling import CompileError

@@ -15,7 +15,8 @@ import tensorflow as tf
 from owt_tf.parallel import collectives as coll
 
 from owt_tf.planner import ledger
-from owt_tf.parallel.head.layout import COL, ROW, SampledRows, ShardedHead, on_joined_rows, per_round
+from owt_tf.parallel.head.layout import COL, ROW, SampledRows, ShardedHead
+from owt_tf.parallel.head.rounds import on_joined_rows, per_round
 
 
 def forward(head: ShardedHead, x: tf.Tensor, k: Optional[int], training: bool, seed: Optional[tf.Tensor]) -> tf.Tensor:

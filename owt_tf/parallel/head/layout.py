@@ -15,7 +15,6 @@ drops them. Hidden widths must be divisible by K.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -24,6 +23,7 @@ import tensorflow as tf
 
 from owt_tf.layers import l2_normalize
 from owt_tf.models.head_weights import ArrayWeights, WholeWeights
+from owt_tf.parallel.head.rounds import per_round, rounds_matmul
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel.head import sampling
 from owt_tf.parallel.head.metrics import ShardedLoss
@@ -208,7 +208,7 @@ class ShardedDense(tf.Module):
         weights are cast, as Keras' mixed precision does: their gradients stay float32).
         Each round's product on its own (under the name scope of round rounds[i] if given:
         it may start as soon as that round's rows arrive), their backward as one product over
-        all rounds' rows (`_rounds_matmul`). For ROW, x is this shard's input slice and the
+        all rounds' rows (`rounds_matmul`). For ROW, x is this shard's input slice and the
         bias slice lands on its own columns, so the all-reduce that follows adds every bias
         once. `sampled` (sampled_rows): compute the sampled classes only, [rows, S]."""
         return self._products(xs, k, rounds, sampled)
@@ -222,12 +222,12 @@ class ShardedDense(tf.Module):
         transposed = self.class_major
         if self.cosine:
             kernel = l2_normalize(kernel, axis=1 if transposed else 0)
-            return list(_rounds_matmul([l2_normalize(x, axis=-1) for x in xs], kernel, rounds,
+            return list(rounds_matmul([l2_normalize(x, axis=-1) for x in xs], kernel, rounds,
                                        transposed))
         if self.split == ROW:
             width = self.out_dim // self.num_shards
             bias = tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])
-        products = _rounds_matmul(list(xs), kernel, rounds, transposed)
+        products = rounds_matmul(list(xs), kernel, rounds, transposed)
         return per_round(lambda y, i: y + bias, products, rounds)
 
 
@@ -238,42 +238,6 @@ class SampledRows(NamedTuple):
     sample: sampling.SampledColumns
     kernel: tf.Tensor
     bias: tf.Tensor
-
-
-def _rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
-                   rounds: Optional[Sequence[int]], transposed: bool = False) -> List[tf.Tensor]:
-    """[x @ kernel for x in xs] (`transposed`: kernel is [out, in], x @ kernel^T), each
-    product under its round's name scope. Backward: the
-    kernel's gradient as one product of all rounds' rows joined, not one per round summed:
-    a round of B rows reads and writes the whole kernel gradient, so K rounds of a
-    9216x1024 shard moved K times its 38 MB (paper AlexNet's first FC layer), the
-    memory traffic that made owt-b and owt-c slower than owt-a on a CPU. The same sum,
-    in another order."""
-    def each_round(kernel, xs):
-        return per_round(lambda x, i: tf.matmul(x, kernel, transpose_b=transposed), xs, rounds)
-
-    if len(xs) == 1:
-        return each_round(kernel, xs)
-
-    @tf.custom_gradient
-    def products(kernel, *xs):
-        ys = each_round(kernel, xs)
-
-        def grad(*dys):
-            dys = [tf.zeros_like(y) if dy is None else dy for y, dy in zip(ys, dys)]
-            dy = tf.concat(dys, axis=0)
-            x = tf.concat(xs, axis=0)
-            if transposed:
-                dkernel = tf.matmul(dy, x, transpose_a=True)
-                dx = tf.matmul(dy, kernel)
-            else:
-                dkernel = tf.matmul(x, dy, transpose_a=True)
-                dx = tf.matmul(dy, kernel, transpose_b=True)
-            return [dkernel] + tf.split(dx, [int(x.shape[0]) for x in xs], axis=0)
-
-        return ys, grad
-
-    return products(kernel, *xs)
 
 
 def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
@@ -319,25 +283,6 @@ ShardReader = Callable[[Dict[int, List[tf.Variable]]], List[List[np.ndarray]]]
 def read_local_shards(per_shard: Dict[int, List[tf.Variable]]) -> List[List[np.ndarray]]:
     """The ShardReader of a process that holds every shard."""
     return [[v.numpy() for v in per_shard[k]] for k in sorted(per_shard)]
-
-
-def per_round(fn: Callable[[tf.Tensor, int], object], ts: Sequence[tf.Tensor],
-               rounds: Optional[Sequence[int]]) -> list:
-    """fn(ts[i], i) for every i, under the name scope of round rounds[i] if given."""
-    out = []
-    for i, t in enumerate(ts):
-        with tf.name_scope(f"fc_round{rounds[i]}") if rounds is not None else contextlib.nullcontext():
-            out.append(fn(t, i))
-    return out
-
-
-def on_joined_rows(op: Callable[[tf.Tensor], tf.Tensor], ts: Sequence[tf.Tensor]) -> List[tf.Tensor]:
-    """op on the rows of every tensor in `ts` joined, cut back into their rows: one
-    collective for several rounds (op must act on each row on its own)."""
-    if len(ts) == 1:
-        return [op(ts[0])]
-    joined = op(tf.concat(list(ts), axis=0))
-    return tf.split(joined, [int(t.shape[0]) for t in ts], axis=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,8 @@ from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
 from owt_tf.parallel.head import sampling
 from owt_tf.parallel.head.forward import exchange, gather, outputs
-from owt_tf.parallel.head.layout import ShardedHead, per_round
+from owt_tf.parallel.head.layout import ShardedHead
+from owt_tf.parallel.head.rounds import per_round
 from owt_tf.parallel.head.metrics import (LOWEST, ShardedLoss, TopCandidates, best_of,
                                           shard_top_candidates, unpack_gathered)
 
