@@ -103,6 +103,9 @@ def test_big_head_times_owt_tf_at_each_sample_rate(tmp_path):
         "step_time": sampled["step_time_s"] / full["step_time_s"],
         "peak_rss": sampled["peak_rss_bytes"] / full["peak_rss_bytes"]}}
     assert "owt_tf sample_rate 0.25 / 1: step time" in proc.stdout
+    # the classes x sample rate grid: one row for 256 classes, a cell per rate
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("256 |"))
+    assert row.count("/") == 2 and "not run" not in row
 
 
 def test_big_head_rejects_a_sample_rate_outside_zero_to_one():

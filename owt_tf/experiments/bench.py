@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default="softmax", choices=("softmax", "arcface"),
                    help="with --big-head: the class layer, a Dense softmax or a face model's "
                         "cosine layer (NormalizedDense) trained with ArcFace")
+    p.add_argument("--head-classes", default=None,
+                   help="with --big-head: comma-separated class counts, each run in turn and "
+                        "printed as one table of classes x sample rate (default: --classes)")
     p.add_argument("--features", type=int, default=256,
                    help="with --big-head: the head's input width (the trunk's features; a "
                         "face model's embedding: 128 or 512)")
@@ -431,13 +434,16 @@ def _big_head_main(parser, args) -> int:
         return 2
     runners = big_head.RUNNERS if args.baseline == "mirrored" else ("owt_tf",)
     k = args.devices[0]
-    records = big_head.run_big_head(big_head.BigHeadArgs(
-        args.classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners, rates,
-        args.head, args.features))
+    sizes = [int(c) for c in _parse_list(args.head_classes)] if args.head_classes else [args.classes]
+    records = []
+    for classes in sizes:
+        records += big_head.run_big_head(big_head.BigHeadArgs(
+            classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners, rates,
+            args.head, args.features))
     print(big_head.format_big_head_table(records))
     if args.out:
         big_head.write_json(args.out, records)
-    return 0 if len(records) == len(rates) + len(runners) - 1 else 1
+    return 0 if len(records) == len(sizes) * (len(rates) + len(runners) - 1) else 1
 
 
 if __name__ == "__main__":

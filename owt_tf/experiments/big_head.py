@@ -149,18 +149,24 @@ def _fit_and_time(model, classes: int, global_batch: int, warmup: int, steps: in
 
 def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
                steps: int, scheme: str, sample_rate: float = 1.0, head: str = "softmax",
-               features: int = FEATURES) -> Dict:
+               features: int = FEATURES, unbuilt: bool = False) -> Dict:
     """`owt_tf.parallelize(model).fit`; the step's collectives counted while it is traced.
-    The model is never built whole: its head is drawn shard by shard."""
+    `unbuilt`: the model is never built whole, its head drawn shard by shard (else the
+    user's built model, MirroredStrategy's weights, split and then dropped)."""
+    import gc
+
     import owt_tf
     from owt_tf.planner import ledger
 
-    plain = build_big_head_model(classes, features, head=head, built=False)
+    plain = build_big_head_model(classes, features, head=head, built=not unbuilt)
     strategy = owt_tf.HybridStrategy(devices=list(devices), scheme=scheme,
                                      sample_rate=sample_rate)
     with strategy.scope():
-        model = owt_tf.parallelize(plain, seed=0, input_shape=(IMAGE_SIDE, IMAGE_SIDE, 3))
+        shape = dict(input_shape=(IMAGE_SIDE, IMAGE_SIDE, 3)) if unbuilt else {}
+        model = owt_tf.parallelize(plain, seed=0, **shape)
         _compile(model, head)
+    del plain  # the user's one-device copy is no longer needed once split
+    gc.collect()
     with ledger.recording(ledger.TrafficLedger()) as recorded:
         timer = _fit_and_time(model, classes, global_batch, warmup, steps)
     return dict(timer=timer, bytes_per_step=float(recorded.total),
@@ -202,7 +208,8 @@ def _all_reduce_bytes(variables, k: int) -> float:
 
 def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int, steps: int,
               scheme: str = "owt-b", sample_rate: float = 1.0,
-              head: str = "softmax", features: int = FEATURES) -> BigHeadRecord:
+              head: str = "softmax", features: int = FEATURES,
+              unbuilt: bool = False) -> BigHeadRecord:
     """One runner's training, in this (fresh) process."""
     import tensorflow as tf
 
@@ -213,7 +220,7 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
     baseline = _proc_status_bytes("VmRSS")
     if runner == "owt_tf":
         out = _train_owt(classes, devices, global_batch, warmup, steps, scheme, sample_rate, head,
-                         features)
+                         features, unbuilt)
     else:
         out = _train_mirrored(classes, devices, global_batch, warmup, steps, head, features)
     timer = out.pop("timer")
@@ -227,12 +234,15 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
 
 
 def _child_command(runner: str, args, out: str, sample_rate: float = 1.0) -> List[str]:
+    # Without the MirroredStrategy run to match, owt_tf's model is never built whole (a head
+    # one device cannot hold); with it, both start from the same built model's weights.
+    unbuilt = ["--unbuilt"] if "mirrored" not in args.runners else []
     return [sys.executable, "-m", "owt_tf.experiments.big_head", "--child", runner,
             "--classes", str(args.classes), "--devices", str(args.k),
             "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
             "--steps", str(args.steps), "--scheme", args.scheme,
             "--sample-rate", repr(sample_rate), "--head", args.head,
-            "--features", str(args.features), "--out", out]
+            "--features", str(args.features), "--out", out] + unbuilt
 
 
 def run_in_fresh_process(runner: str, args, sample_rate: float = 1.0) -> Optional[BigHeadRecord]:
@@ -288,15 +298,45 @@ def format_big_head_table(records: Sequence[BigHeadRecord]) -> str:
         lines.append(f"{r.runner:9} {r.classes:>9} {r.devices:>2} {r.global_batch:>5} "
                      f"{r.step_time_s * 1e3:9.1f} {r.peak_rss_bytes / 1e6:8.0f} "
                      f"{r.peak_growth_bytes / 1e6:9.0f} {r.bytes_per_step / 1e6:9.1f}  {r.how}")
-    rel = ratios(records)
-    if rel:
-        lines.append(f"owt_tf / MirroredStrategy: peak memory {rel['peak_rss']:.2f}x "
-                     f"(growth over start {rel['peak_growth']:.2f}x), step time "
-                     f"{rel['step_time']:.2f}x, bytes per step {rel['bytes_per_step']:.3f}x")
-    for rate, rel in sampling_ratios(records).items():
-        lines.append(f"owt_tf sample_rate {rate} / 1: step time {rel['step_time']:.2f}x, "
-                     f"peak memory {rel['peak_rss']:.2f}x")
+    for classes in sorted({r.classes for r in records}):
+        same = [r for r in records if r.classes == classes]
+        rel = ratios(same)
+        if rel:
+            lines.append(f"{classes} classes, owt_tf / MirroredStrategy: peak memory "
+                         f"{rel['peak_rss']:.2f}x (growth over start {rel['peak_growth']:.2f}x), "
+                         f"step time {rel['step_time']:.2f}x, bytes per step "
+                         f"{rel['bytes_per_step']:.3f}x")
+        for rate, rel in sampling_ratios(same).items():
+            lines.append(f"{classes} classes, owt_tf sample_rate {rate} / 1: step time "
+                         f"{rel['step_time']:.2f}x, peak memory {rel['peak_rss']:.2f}x")
+    return "\n".join(lines + ["", format_grid(records)])
+
+
+def format_grid(records: Sequence[BigHeadRecord]) -> str:
+    """Classes x sample rate (and MirroredStrategy where it ran): step ms / peak MB."""
+    columns = sorted({r.sample_rate for r in records if r.runner == "owt_tf"}, reverse=True)
+    names = [f"owt_tf r={rate:g}" for rate in columns]
+    mirrored = any(r.runner == "mirrored" for r in records)
+    names += ["MirroredStrategy"] if mirrored else []
+    lines = [f"{'classes':>10} | " + " | ".join(f"{n:>20}" for n in names),
+             f"{'':>10} | " + " | ".join(f"{'step ms / peak MB':>20}" for _ in names)]
+    for classes in sorted({r.classes for r in records}):
+        cells = []
+        for rate in columns:
+            found = [r for r in records if r.runner == "owt_tf" and r.classes == classes
+                     and r.sample_rate == rate]
+            cells.append(_cell(found[0] if found else None))
+        if mirrored:
+            found = [r for r in records if r.runner == "mirrored" and r.classes == classes]
+            cells.append(_cell(found[0] if found else None))
+        lines.append(f"{classes:>10} | " + " | ".join(f"{c:>20}" for c in cells))
     return "\n".join(lines)
+
+
+def _cell(record: Optional[BigHeadRecord]) -> str:
+    if record is None:
+        return "not run"
+    return f"{record.step_time_s * 1e3:,.0f} / {record.peak_rss_bytes / 1e6:,.0f}"
 
 
 @dataclasses.dataclass
@@ -345,13 +385,15 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sample-rate", type=float, default=1.0)
     p.add_argument("--head", default="softmax", choices=HEADS)
     p.add_argument("--features", type=int, default=FEATURES)
+    p.add_argument("--unbuilt", action="store_true",
+                   help="owt_tf: the model never built, its head drawn shard by shard")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from owt_tf.runtime.startup import start_tensorflow
 
     start_tensorflow()
     record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,
-                       a.scheme, a.sample_rate, a.head, a.features)
+                       a.scheme, a.sample_rate, a.head, a.features, a.unbuilt)
     with open(a.out, "w") as f:
         json.dump(dataclasses.asdict(record), f)
     return 0
