@@ -6,6 +6,7 @@ sparsely are refused under sampling; a sampled run saved at one K resumes at ano
 its weights, velocities and step count, and goes on moving only sampled classes."""
 from __future__ import annotations
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -151,6 +152,14 @@ def test_a_sampled_run_resumes_at_another_k(devices, tmp_path, k_from, k_to):
     first.save_weights(path)
     saved = first.head_state()
     assert np.abs(saved["fc0_kernel_slot0"]).max() > 0  # velocities to carry
+    # written a shard at a time, read back as the whole [features, classes] tensors
+    with h5py.File(path, "r") as f:
+        found = {}
+        f.visititems(lambda name, obj: found.setdefault(name.rsplit("/", 1)[-1], obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+    for key in ("fc0_kernel", "fc0_kernel_slot0", "fc0_bias"):
+        np.testing.assert_array_equal(found[key], saved[key])
+    assert found["fc0_kernel"].shape == (FEATURES, CLASSES)
 
     second = _parallel(_unbuilt(cosine=True), devices, k_to, 0.1, seed=5, optimizer=sgd())
     second.load_weights(path)

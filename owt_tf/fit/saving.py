@@ -68,6 +68,20 @@ def _deserialize_with_zero_head(source: dict, dense_names: List[str]) -> keras.M
     return plain
 
 
+def _h5_group(store):
+    """The HDF5 group behind Keras' weights store, or None for any other store. Keras has no
+    public way to write or read a variable a part at a time; its H5IOStore keeps the group
+    of the object being saved (keras/src/saving/saving_lib.py, `H5IOStore._h5_entry_group`,
+    created on first write by `_create_h5_group`)."""
+    if not hasattr(store, "_h5_entry_group"):
+        return None
+    if not getattr(store, "_h5_entry_initialized", True):
+        if getattr(store, "mode", "r") not in ("w", "a"):
+            return None
+        store._create_h5_group(store._h5_entry_path)  # pylint: disable=protected-access
+    return store._h5_entry_group  # pylint: disable=protected-access
+
+
 class SavingMixin:
     """ParallelModel's weights, save, save_weights, export and Keras' variable store."""
 
@@ -159,16 +173,33 @@ class SavingMixin:
         return filepath
 
     def save_own_variables(self, store):
-        """Each FC layer, and its optimizer slots, as whole tensors: the same file at any K."""
+        """Each FC layer, and its optimizer slots, as whole tensors: the same file at any K.
+        Into Keras' HDF5 store they are written a shard at a time (no whole copy in memory:
+        a 10M-class head and its momentum are 11 GB)."""
         super().save_own_variables(store)
-        for name, value in self.head_state().items():
+        group = _h5_group(store) if self._hybrid.placement.cluster is None else None
+        if group is None:
+            for name, value in self.head_state().items():
+                store[name] = value
+            return
+
+        def write(key, shape, dtype, parts):
+            dataset = group.create_dataset(key, shape=shape, dtype=dtype)
+            for index, value in parts:
+                dataset[index] = value
+
+        for name, value in head_state.write_head_parts(self.head, self._fc_optimizer,
+                                                       write).items():
             store[name] = value
 
     def load_own_variables(self, store):
         super_keys = [k for k in store.keys() if not k.startswith("fc")]
         if super_keys:
             super().load_own_variables({k: store[k] for k in super_keys})
-        state = {k: np.asarray(store[k]) for k in store.keys() if k.startswith("fc")}
+        group = _h5_group(store)
+        # HDF5 datasets are read a shard at a time by the restore, not whole here.
+        state = {k: (group[k] if group is not None and group[k].ndim == 2 else np.asarray(store[k]))
+                 for k in store.keys() if k.startswith("fc")}
         self._restore_head(state)
 
     @property
@@ -185,7 +216,8 @@ class SavingMixin:
         if not any("_slot" in k for k in state):
             return
         if self._fc_optimizer is None:  # loaded before compile: applied by compile
-            self._pending_fc_slots = state
+            # (read now: a file's datasets close with it)
+            self._pending_fc_slots = {k: np.asarray(v) for k, v in state.items()}
         else:
             self.restore_fc_slots(state)
 

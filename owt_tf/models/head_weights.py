@@ -40,19 +40,21 @@ class WholeWeights:
 
 
 class ArrayWeights(WholeWeights):
-    """Whole numpy arrays (a cosine layer's missing bias: zeros)."""
+    """Whole arrays (a cosine layer's missing bias: zeros). An array-like that reads slices
+    (an HDF5 dataset of a weights file) is read a part at a time, never whole."""
 
-    def __init__(self, kernel: np.ndarray, bias: Optional[np.ndarray]):
-        self._kernel = np.asarray(kernel)
-        self.shape = tuple(self._kernel.shape)
-        self.dtype = self._kernel.dtype
+    def __init__(self, kernel, bias: Optional[np.ndarray]):
+        lazy = hasattr(kernel, "shape") and hasattr(kernel, "dtype")
+        self._kernel = kernel if lazy else np.asarray(kernel)
+        self.shape = tuple(int(d) for d in self._kernel.shape)
+        self.dtype = np.dtype(self._kernel.dtype)
         self._bias = np.zeros((self.shape[1],), self.dtype) if bias is None else np.asarray(bias)
 
     def kernel_columns(self, start: int, stop: int) -> np.ndarray:
-        return self._kernel[:, start:stop]
+        return np.asarray(self._kernel[:, start:stop])
 
     def kernel_rows(self, start: int, stop: int) -> np.ndarray:
-        return self._kernel[start:stop]
+        return np.asarray(self._kernel[start:stop])
 
     def bias(self, start: int, stop: int) -> np.ndarray:
         return self._bias[start:stop]

@@ -17,12 +17,12 @@ optimizer with as many slots (Keras' rule for optimizer state that does not matc
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Protocol, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.parallel.head.layout import ShardedHead, ShardReader, read_local_shards
+from owt_tf.parallel.head.layout import ROW, ShardedHead, ShardReader, read_local_shards
 from owt_tf.parallel.head.sampling import SampledColumns
 
 KIND_KEY = "fc_optimizer_kind"
@@ -94,6 +94,57 @@ def head_arrays(head: ShardedHead, optimizer: Optional[ShardOptimizer] = None,
     return arrays
 
 
+# Writes one whole tensor of the head a part at a time: (key, whole shape, dtype, parts), the
+# parts as (index into the whole, value) pairs.
+PartWriter = Callable[[str, Tuple[int, ...], np.dtype, Iterable[Tuple[tuple, np.ndarray]]], None]
+
+
+def write_head_parts(head: ShardedHead, optimizer: Optional[ShardOptimizer],
+                     write: PartWriter) -> Dict[str, np.ndarray]:
+    """head_arrays' tensors, each written shard by shard through `write` (a file that takes
+    a tensor a part at a time: no whole copy in memory; every shard must be in this
+    process). Returns the small entries (optimizer kind, update count) for the caller to
+    store as they are."""
+    slots = optimizer.num_slots if optimizer is not None else 0
+    n = 2 * len(head.layers)
+    for group in range(1 + slots):
+        for i, layer in enumerate(head.layers):
+            def state(k, j):
+                variables = head.shard_variables(k) + (list(optimizer.slots(k)) if slots else [])
+                return variables[group * n + 2 * i + j]
+
+            def name(part):
+                return weight_key(i, part) if group == 0 else slot_key(i, part, group - 1)
+
+            write(name("kernel"), (layer.in_dim, layer.out_dim), np.dtype("float32"),
+                  _kernel_parts(layer, lambda k: state(k, 0)))
+            bias = np.concatenate([np.asarray(state(k, 1)) for k in range(layer.num_shards)])
+            write(name("bias"), (layer.out_dim,), np.dtype("float32"),
+                  [((slice(None),), bias[:layer.out_dim])])
+    small = {}
+    if optimizer is not None:
+        small[KIND_KEY] = encode_kind(optimizer.kind)
+        if optimizer.iterations is not None:
+            small[ITERATIONS_KEY] = np.asarray(optimizer.iterations.numpy())
+    return small
+
+
+def _kernel_parts(layer, variable_of: Callable[[int], tf.Variable]):
+    """(index, value) of each shard's part of the whole [in, out] kernel, one at a time."""
+    width = layer.shard_columns()
+    for k in range(layer.num_shards):
+        value = variable_of(k)
+        if layer.split == ROW:
+            rows = layer.in_dim // layer.num_shards
+            yield (slice(k * rows, (k + 1) * rows), slice(None)), np.asarray(value)
+            continue
+        start, stop = k * width, min((k + 1) * width, layer.out_dim)
+        if stop <= start:
+            continue
+        part = np.asarray(value[:stop - start] if layer.class_major else value[:, :stop - start])
+        yield (slice(None), slice(start, stop)), (part.T if layer.class_major else part)
+
+
 def saved_slots(arrays: Dict[str, np.ndarray]) -> int:
     """How many slots per weight `arrays` hold (legacy SGD momentum counts as one)."""
     if weight_key(0, "kernel") + LEGACY_SGD_SLOT in arrays:
@@ -117,7 +168,12 @@ def slots_fit(arrays: Dict[str, np.ndarray], optimizer: ShardOptimizer) -> bool:
 
 def _slot_array(arrays, i: int, part: str, slot: int) -> np.ndarray:
     legacy = weight_key(i, part) + LEGACY_SGD_SLOT
-    return np.asarray(arrays[legacy] if legacy in arrays else arrays[slot_key(i, part, slot)])
+    return _lazy(arrays[legacy] if legacy in arrays else arrays[slot_key(i, part, slot)])
+
+
+def _lazy(value):
+    """An array, or an array-like read in slices (h5py's Dataset) left unread."""
+    return value if hasattr(value, "shape") and hasattr(value, "dtype") else np.asarray(value)
 
 
 def restore_weights(head: ShardedHead, arrays: Dict[str, np.ndarray],
@@ -126,9 +182,11 @@ def restore_weights(head: ShardedHead, arrays: Dict[str, np.ndarray],
     assign ops (eager: already run). `names`: the layers' names for the error message."""
     ops = []
     for i, layer in enumerate(head.layers):
-        kernel = np.asarray(arrays[weight_key(i, "kernel")])
+        # Read a shard at a time where the store allows it (an HDF5 dataset): whole arrays
+        # of a 10M-class head would not fit next to the shards.
+        kernel = _lazy(arrays[weight_key(i, "kernel")])
         bias = np.asarray(arrays[weight_key(i, "bias")])
-        if kernel.shape != (layer.in_dim, layer.out_dim):
+        if tuple(kernel.shape) != (layer.in_dim, layer.out_dim):
             name = names[i] if names else f"FC layer {i}"
             raise HeadStateMismatch(f"{name}: saved as {kernel.shape}, this model has "
                                     f"{(layer.in_dim, layer.out_dim)}")
