@@ -153,10 +153,14 @@ def test_a_sampled_run_resumes_at_another_k(devices, tmp_path, k_from, k_to):
     saved = first.head_state()
     assert np.abs(saved["fc0_kernel_slot0"]).max() > 0  # velocities to carry
     # written a shard at a time, read back as the whole [features, classes] tensors
+    found = {}
+
+    def keep(name, obj):  # returns None: visititems stops at the first other value
+        if isinstance(obj, h5py.Dataset):
+            found[name.rsplit("/", 1)[-1]] = obj[()]
+
     with h5py.File(path, "r") as f:
-        found = {}
-        f.visititems(lambda name, obj: found.setdefault(name.rsplit("/", 1)[-1], obj[()])
-                     if isinstance(obj, h5py.Dataset) else None)
+        f.visititems(keep)
     for key in ("fc0_kernel", "fc0_kernel_slot0", "fc0_bias"):
         np.testing.assert_array_equal(found[key], saved[key])
     assert found["fc0_kernel"].shape == (FEATURES, CLASSES)
