@@ -104,7 +104,7 @@ def test_unbuilt_models_need_an_input_shape_and_a_drawable_initializer(devices):
 def test_shards_made_a_block_at_a_time_equal_the_whole(monkeypatch, devices, class_major):
     """A shard above the block size is filled a block of columns at a time, the padding of
     the last shard included: the layer joined again is the whole it was cut from."""
-    monkeypatch.setattr(layout, "_BLOCK_BYTES", 7 * 4 * 12)  # 7 columns of 12 a block
+    monkeypatch.setattr(layout, "BLOCK_BYTES", 7 * 4 * 12)  # 7 columns of 12 a block
     rng = np.random.default_rng(3)
     kernel = rng.normal(size=(12, 103)).astype(np.float32)
     bias = rng.normal(size=(103,)).astype(np.float32)
@@ -139,11 +139,14 @@ def _batches(n, seed):
 
 
 @pytest.mark.parametrize("k_from,k_to", [(4, 2), (2, 4)])
-def test_a_sampled_run_resumes_at_another_k(devices, tmp_path, k_from, k_to):
+def test_a_sampled_run_resumes_at_another_k(monkeypatch, devices, tmp_path, k_from, k_to):
     """Two sampled steps at K=k_from, save_weights, load into the same model split over
     k_to: the head's weights, its SGD velocities and the step count are the saved ones
     (whole, so the split does not matter); the next step moves only the classes the new
-    K's sample kept (a class whose velocity is nonzero but was not sampled waits)."""
+    K's sample kept (a class whose velocity is nonzero but was not sampled waits). Shards
+    are made, written and read in blocks of 300 classes, as a 10M-class head's are in
+    64 MB blocks."""
+    monkeypatch.setattr(layout, "BLOCK_BYTES", 300 * 4 * FEATURES)
     sgd = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
     first = _parallel(_unbuilt(cosine=True), devices, k_from, 0.1, seed=5, optimizer=sgd())
     for x, y in _batches(2, 0):

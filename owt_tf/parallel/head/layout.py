@@ -31,7 +31,7 @@ from owt_tf.planner.plan import LOSS_MODES, sampling_problem, widths_problem
 
 COL, ROW = "col", "row"
 # A shard larger than this is made a block of columns at a time (ShardedDense._make_shard).
-_BLOCK_BYTES = 64 << 20
+BLOCK_BYTES = 64 << 20
 
 
 def layer_splits(num_layers: int, fc_exchange: str) -> List[str]:
@@ -103,21 +103,31 @@ class ShardedDense(tf.Module):
         shard's (1.3 GB at K=4), beyond the variable."""
         name = self.name
         width = self.shard_columns()
-        if self.split == ROW or self.in_dim * width * 4 <= _BLOCK_BYTES:
+        if self.split == ROW or self.in_dim * width * 4 <= BLOCK_BYTES:
             kernel, bias = self.shard_part(source, k)
             return (tf.Variable(kernel, name=f"{name}_kernel_{k}"),
                     tf.Variable(bias, name=f"{name}_bias_{k}"))
         shape = (width, self.in_dim) if self.class_major else (self.in_dim, width)
         kernel = tf.Variable(tf.zeros(shape, source.dtype), name=f"{name}_kernel_{k}")
+        return kernel, tf.Variable(self.fill(kernel, source, k), name=f"{name}_bias_{k}")
+
+    def fill(self, kernel: tf.Variable, source: "WholeWeights", k: int) -> np.ndarray:
+        """Assigns shard k's part of `source` into its `kernel` variable, a block of columns
+        (64 MB) at a time; returns the shard's bias values."""
+        if self.split == ROW:
+            part, bias = self.shard_part(source, k)
+            kernel.assign(part)
+            return bias
+        width = self.shard_columns()
+        step = max(1, BLOCK_BYTES // (4 * self.in_dim))
         biases = []
-        step = max(1, _BLOCK_BYTES // (4 * self.in_dim))
         for lo in range(0, width, step):
             hi = min(width, lo + step)
             block, bias = self.shard_part(source, k, lo, hi)
             (kernel[lo:hi] if self.class_major else kernel[:, lo:hi]).assign(block)
             biases.append(bias)
             del block
-        return kernel, tf.Variable(np.concatenate(biases), name=f"{name}_bias_{k}")
+        return np.concatenate(biases)
 
     def shard_columns(self) -> int:
         """Columns of each shard's kernel (COL: its classes or units; ROW: all of them)."""
@@ -379,8 +389,7 @@ class ShardedHead(tf.Module):
         ops = []
         for k in self.local_shards:
             state = shard_state(k)
-            kernel_part, bias_part = self.layers[i].shard_part(whole, k)
-            ops.append(state[group * n + 2 * i].assign(kernel_part))
+            bias_part = self.layers[i].fill(state[group * n + 2 * i], whole, k)
             ops.append(state[group * n + 2 * i + 1].assign(bias_part))
         return ops
 

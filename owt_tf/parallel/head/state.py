@@ -22,6 +22,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence,
 import numpy as np
 import tensorflow as tf
 
+from owt_tf.parallel.head import layout
 from owt_tf.parallel.head.layout import ROW, ShardedHead, ShardReader, read_local_shards
 from owt_tf.parallel.head.sampling import SampledColumns
 
@@ -130,19 +131,22 @@ def write_head_parts(head: ShardedHead, optimizer: Optional[ShardOptimizer],
 
 
 def _kernel_parts(layer, variable_of: Callable[[int], tf.Variable]):
-    """(index, value) of each shard's part of the whole [in, out] kernel, one at a time."""
+    """(index, value) of the whole [in, out] kernel's parts, each shard a block of 64 MB at a
+    time (a class-major shard's block transposed: columns of the whole)."""
     width = layer.shard_columns()
+    step = max(1, layout.BLOCK_BYTES // (4 * layer.in_dim))
     for k in range(layer.num_shards):
         value = variable_of(k)
         if layer.split == ROW:
             rows = layer.in_dim // layer.num_shards
             yield (slice(k * rows, (k + 1) * rows), slice(None)), np.asarray(value)
             continue
-        start, stop = k * width, min((k + 1) * width, layer.out_dim)
-        if stop <= start:
-            continue
-        part = np.asarray(value[:stop - start] if layer.class_major else value[:, :stop - start])
-        yield (slice(None), slice(start, stop)), (part.T if layer.class_major else part)
+        real = min(width, layer.out_dim - k * width)
+        for lo in range(0, max(0, real), step):
+            hi = min(real, lo + step)
+            block = np.asarray(value[lo:hi] if layer.class_major else value[:, lo:hi])
+            yield ((slice(None), slice(k * width + lo, k * width + hi)),
+                   np.ascontiguousarray(block.T) if layer.class_major else block)
 
 
 def saved_slots(arrays: Dict[str, np.ndarray]) -> int:
