@@ -88,7 +88,7 @@ def test_big_head_times_owt_tf_at_each_sample_rate(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "owt_tf.bench", "--big-head", "--classes", "256", "--devices", "2",
          "--batch-size", "8", "--steps", "2", "--warmup", "1", "--baseline", "none",
-         "--sample-rates", "1,0.25", "--out", str(out)],
+         "--sample-rates", "1,0.25", "--save-weights", "--out", str(out)],
         capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
         timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -98,6 +98,11 @@ def test_big_head_times_owt_tf_at_each_sample_rate(tmp_path):
     assert (full["sample_rate"], sampled["sample_rate"]) == (1.0, 0.25)
     assert sampled["how"].endswith("sample_rate 0.25") and "sample_rate" not in full["how"]
     assert sampled["losses"][0] < full["losses"][0]
+    # --save-weights: each run's peak after writing and after reading its weights file,
+    # measured after training's (which the record keeps apart)
+    for r in (full, sampled):
+        assert r["load_peak_rss_bytes"] >= r["save_peak_rss_bytes"] >= r["peak_rss_bytes"] > 0
+    assert "MB after save_weights" in proc.stdout
     assert data["ratios"] is None
     assert data["sampling_ratios"] == {"0.25": {
         "step_time": sampled["step_time_s"] / full["step_time_s"],

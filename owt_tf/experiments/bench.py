@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default="softmax", choices=("softmax", "arcface"),
                    help="with --big-head: the class layer, a Dense softmax or a face model's "
                         "cosine layer (NormalizedDense) trained with ArcFace")
+    p.add_argument("--save-weights", action="store_true",
+                   help="with --big-head: owt_tf also saves and loads its weights file after "
+                        "training; the peak RSS after each is printed")
     p.add_argument("--head-classes", default=None,
                    help="with --big-head: comma-separated class counts, each run in turn and "
                         "printed as one table of classes x sample rate (default: --classes)")
@@ -439,7 +442,7 @@ def _big_head_main(parser, args) -> int:
     for classes in sizes:
         records += big_head.run_big_head(big_head.BigHeadArgs(
             classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners, rates,
-            args.head, args.features))
+            args.head, args.features, args.save_weights))
     print(big_head.format_big_head_table(records))
     if args.out:
         big_head.write_json(args.out, records)

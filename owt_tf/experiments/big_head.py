@@ -59,6 +59,10 @@ class BigHeadRecord:
     head_shards: Optional[int] = None  # owt_tf: the FC shards of the class layer
     sample_rate: float = 1.0  # owt_tf: Partial FC's share of each shard's classes per update
     head: str = "softmax"  # the class layer: Dense + softmax, or "arcface" (cosine + ArcFace)
+    # owt_tf with --save-weights: the process's peak RSS after save_weights, then after
+    # load_weights of that file (None: not run)
+    save_peak_rss_bytes: Optional[int] = None
+    load_peak_rss_bytes: Optional[int] = None
 
     @property
     def peak_growth_bytes(self) -> int:
@@ -149,7 +153,8 @@ def _fit_and_time(model, classes: int, global_batch: int, warmup: int, steps: in
 
 def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
                steps: int, scheme: str, sample_rate: float = 1.0, head: str = "softmax",
-               features: int = FEATURES, unbuilt: bool = False) -> Dict:
+               features: int = FEATURES, unbuilt: bool = False,
+               save_weights: bool = False) -> Dict:
     """`owt_tf.parallelize(model).fit`; the step's collectives counted while it is traced.
     `unbuilt`: the model is never built whole, its head drawn shard by shard (else the
     user's built model, MirroredStrategy's weights, split and then dropped)."""
@@ -169,11 +174,26 @@ def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: 
     gc.collect()
     with ledger.recording(ledger.TrafficLedger()) as recorded:
         timer = _fit_and_time(model, classes, global_batch, warmup, steps)
-    return dict(timer=timer, bytes_per_step=float(recorded.total),
+    # the training's peak, before any file is written
+    peaks = dict(peak_rss_bytes=_proc_status_bytes("VmHWM"))
+    if save_weights:
+        peaks.update(_save_and_load_peaks(model))
+    return dict(timer=timer, **peaks, bytes_per_step=float(recorded.total),
                 bytes_by_purpose=recorded.summary(), loss_mode=model.head.loss_mode,
                 head_shards=model.head.num_shards, sample_rate=sample_rate,
                 how=f"owt_tf.parallelize {strategy.scheme}, loss {model.head.loss_mode}"
                     + (f", sample_rate {sample_rate:g}" if sample_rate < 1 else ""))
+
+
+def _save_and_load_peaks(model) -> Dict[str, int]:
+    """save_weights of the trained model to a temporary file, then load_weights of it: the
+    process's peak RSS after each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "head.weights.h5")
+        model.save_weights(path)
+        saved = _proc_status_bytes("VmHWM")
+        model.load_weights(path)
+        return dict(save_peak_rss_bytes=saved, load_peak_rss_bytes=_proc_status_bytes("VmHWM"))
 
 
 def _train_mirrored(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
@@ -209,7 +229,7 @@ def _all_reduce_bytes(variables, k: int) -> float:
 def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int, steps: int,
               scheme: str = "owt-b", sample_rate: float = 1.0,
               head: str = "softmax", features: int = FEATURES,
-              unbuilt: bool = False) -> BigHeadRecord:
+              unbuilt: bool = False, save_weights: bool = False) -> BigHeadRecord:
     """One runner's training, in this (fresh) process."""
     import tensorflow as tf
 
@@ -220,7 +240,7 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
     baseline = _proc_status_bytes("VmRSS")
     if runner == "owt_tf":
         out = _train_owt(classes, devices, global_batch, warmup, steps, scheme, sample_rate, head,
-                         features, unbuilt)
+                         features, unbuilt, save_weights)
     else:
         out = _train_mirrored(classes, devices, global_batch, warmup, steps, head, features)
     timer = out.pop("timer")
@@ -229,20 +249,22 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
         runner=runner, classes=classes, features=features, devices=k,
         global_batch=global_batch, warmup=warmup, steps=len(timed),
         step_time_s=statistics.median(timed), step_times_s=timed,
-        peak_rss_bytes=_proc_status_bytes("VmHWM"), baseline_rss_bytes=baseline,
+        peak_rss_bytes=out.pop("peak_rss_bytes", None) or _proc_status_bytes("VmHWM"),
+        baseline_rss_bytes=baseline,
         losses=timer.losses, head=head, **out)
 
 
 def _child_command(runner: str, args, out: str, sample_rate: float = 1.0) -> List[str]:
     # Without the MirroredStrategy run to match, owt_tf's model is never built whole (a head
     # one device cannot hold); with it, both start from the same built model's weights.
-    unbuilt = ["--unbuilt"] if "mirrored" not in args.runners else []
+    extra = ["--unbuilt"] if "mirrored" not in args.runners else []
+    extra += ["--save-weights"] if runner == "owt_tf" and args.save_weights else []
     return [sys.executable, "-m", "owt_tf.experiments.big_head", "--child", runner,
             "--classes", str(args.classes), "--devices", str(args.k),
             "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
             "--steps", str(args.steps), "--scheme", args.scheme,
             "--sample-rate", repr(sample_rate), "--head", args.head,
-            "--features", str(args.features), "--out", out] + unbuilt
+            "--features", str(args.features), "--out", out] + extra
 
 
 def run_in_fresh_process(runner: str, args, sample_rate: float = 1.0) -> Optional[BigHeadRecord]:
@@ -298,6 +320,11 @@ def format_big_head_table(records: Sequence[BigHeadRecord]) -> str:
         lines.append(f"{r.runner:9} {r.classes:>9} {r.devices:>2} {r.global_batch:>5} "
                      f"{r.step_time_s * 1e3:9.1f} {r.peak_rss_bytes / 1e6:8.0f} "
                      f"{r.peak_growth_bytes / 1e6:9.0f} {r.bytes_per_step / 1e6:9.1f}  {r.how}")
+    for r in records:
+        if r.save_peak_rss_bytes is not None:
+            lines.append(f"{r.classes} classes, owt_tf r={r.sample_rate:g}: peak RSS "
+                         f"{r.save_peak_rss_bytes / 1e6:,.0f} MB after save_weights, "
+                         f"{r.load_peak_rss_bytes / 1e6:,.0f} MB after load_weights")
     for classes in sorted({r.classes for r in records}):
         same = [r for r in records if r.classes == classes]
         rel = ratios(same)
@@ -351,6 +378,7 @@ class BigHeadArgs:
     sample_rates: Sequence[float] = (1.0,)  # owt_tf runs once per rate
     head: str = "softmax"
     features: int = FEATURES  # the head's input width
+    save_weights: bool = False  # owt_tf: save_weights + load_weights after training
 
 
 def run_big_head(args: BigHeadArgs) -> List[BigHeadRecord]:
@@ -385,6 +413,8 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sample-rate", type=float, default=1.0)
     p.add_argument("--head", default="softmax", choices=HEADS)
     p.add_argument("--features", type=int, default=FEATURES)
+    p.add_argument("--save-weights", action="store_true",
+                   help="owt_tf: save_weights and load_weights after training (peak RSS of each)")
     p.add_argument("--unbuilt", action="store_true",
                    help="owt_tf: the model never built, its head drawn shard by shard")
     p.add_argument("--out", required=True)
@@ -393,7 +423,7 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
 
     start_tensorflow()
     record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,
-                       a.scheme, a.sample_rate, a.head, a.features, a.unbuilt)
+                       a.scheme, a.sample_rate, a.head, a.features, a.unbuilt, a.save_weights)
     with open(a.out, "w") as f:
         json.dump(dataclasses.asdict(record), f)
     return 0
