@@ -129,6 +129,15 @@ class ShardedDense(tf.Module):
             del block
         return np.concatenate(biases)
 
+    def read_block(self, variable: tf.Variable, lo: int, hi: int) -> tf.Tensor:
+        """Columns lo ... hi-1 of a shard's kernel-shaped `variable` (weights or a slot), as
+        stored. A class-major shard's rows are gathered: a sampled update leaves its
+        variables in TensorFlow's copy-on-read mode, where a slice would first copy the
+        whole shard."""
+        if self.class_major:
+            return tf.gather(variable, tf.range(lo, hi))
+        return variable[:, lo:hi]
+
     def shard_columns(self) -> int:
         """Columns of each shard's kernel (COL: its classes or units; ROW: all of them)."""
         return self.padded_out // self.num_shards if self.split == COL else self.out_dim
@@ -263,22 +272,25 @@ def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
 
 def copy_shards_into(layer: ShardedDense, kernel, bias=None) -> None:
     """Assigns every shard of `layer` (all in this process) into a whole [in, out] `kernel`
-    variable and [out] `bias` (a one-device Keras layer's), one shard at a time: no whole
-    copy besides the target."""
+    variable and [out] `bias` (a one-device Keras layer's), 64 MB at a time: no whole copy
+    besides the target."""
     layer._check_all_local()
     kernel = getattr(kernel, "value", kernel)  # a Keras variable: its tf.Variable
     width = layer.shard_columns()
+    step = max(1, BLOCK_BYTES // (4 * layer.in_dim))
     for k in range(layer.num_shards):
         part = layer.kernels[k]
         if layer.split == ROW:
             rows = layer.in_dim // layer.num_shards
             kernel[k * rows:(k + 1) * rows].assign(part)
             continue
-        start, stop = k * width, min((k + 1) * width, layer.out_dim)
-        if stop <= start:
-            continue
-        value = part[:stop - start] if layer.class_major else part[:, :stop - start]
-        kernel[:, start:stop].assign(tf.transpose(value) if layer.class_major else value)
+        real = min(width, layer.out_dim - k * width)
+        for lo in range(0, max(0, real), step):
+            hi = min(real, lo + step)
+            block = layer.read_block(part, lo, hi)
+            start = k * width
+            kernel[:, start + lo:start + hi].assign(
+                tf.transpose(block) if layer.class_major else block)
     if bias is not None:
         bias = getattr(bias, "value", bias)
         bias.assign(tf.concat([layer.biases[k] for k in range(layer.num_shards)], 0)[:layer.out_dim])

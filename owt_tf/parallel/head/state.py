@@ -144,7 +144,7 @@ def _kernel_parts(layer, variable_of: Callable[[int], tf.Variable]):
         real = min(width, layer.out_dim - k * width)
         for lo in range(0, max(0, real), step):
             hi = min(real, lo + step)
-            block = np.asarray(value[lo:hi] if layer.class_major else value[:, lo:hi])
+            block = np.asarray(layer.read_block(value, lo, hi))
             yield ((slice(None), slice(k * width + lo, k * width + hi)),
                    np.ascontiguousarray(block.T) if layer.class_major else block)
 
