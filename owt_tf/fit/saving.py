@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import keras
 import numpy as np
@@ -21,22 +21,25 @@ from owt_tf.parallel.head import state as head_state
 from owt_tf.parallel.head.layout import copy_shards_into
 
 
-def write_embedding_archive(plain: keras.Model, class_layer: str, path: str,
-                            embeddings_only: bool) -> None:
-    """A SavedModel of `plain` (keras.export.ExportArchive) with `serving_default` (the
-    model's outputs) unless `embeddings_only`, and `embeddings` (the L2-normalised input of
-    layer `class_layer`); with `embeddings_only` only the embedding's variables are kept."""
-    embedding = embedding_model(plain, plain.get_layer(class_layer))
-    spec = tf.TensorSpec((None,) + tuple(plain.inputs[0].shape[1:]), plain.inputs[0].dtype,
+def write_embedding_archive(embedding: keras.Model, path: str,
+                            plain: Optional[keras.Model] = None) -> None:
+    """A SavedModel (keras.export.ExportArchive) with `embeddings` (the L2-normalised output
+    of `embedding`, a face model's input to its class layer) and, given the whole `plain`
+    model, `serving_default` (its outputs); without it `serving_default` is the embedding
+    (TF Serving needs that name) and only the embedding's variables are kept."""
+    model = plain if plain is not None else embedding
+    spec = tf.TensorSpec((None,) + tuple(model.inputs[0].shape[1:]), model.inputs[0].dtype,
                          name="inputs")
     archive = keras.export.ExportArchive()
-    archive.track(embedding if embeddings_only else plain)
-    if not embeddings_only:
+    archive.track(model)
+
+    def embed(x):
+        return l2_normalize(tf.cast(embedding(x, training=False), tf.float32))
+
+    if plain is not None:
         archive.add_endpoint("serving_default", lambda x: plain(x, training=False),
                              input_signature=[spec])
-    archive.add_endpoint(
-        "embeddings", lambda x: l2_normalize(tf.cast(embedding(x, training=False), tf.float32)),
-        input_signature=[spec])
+    archive.add_endpoint("embeddings", embed, input_signature=[spec])
     archive.write_out(path, verbose=False)
 
 
@@ -158,19 +161,29 @@ class SavingMixin:
         `serving_default`. `embeddings_only`: that signature alone (also under the name
         `serving_default`, which TF Serving needs), and the class layer left out of the file
         (a face model is served by its embedding; a 10M-class head is GBs nobody serves)."""
-        plain = self.to_keras_model()
         if not self.head.spec.cosine:
             if embeddings_only:
                 raise ValueError("embeddings_only: the embedding is the input of a cosine "
                                  "class layer (owt_tf.layers.NormalizedDense); this model's "
                                  "class layer is a Dense")
-            return plain.export(filepath, format=format, **kwargs)
+            return self.to_keras_model().export(filepath, format=format, **kwargs)
         if format != "tf_saved_model":
             raise ValueError(f"format {format!r}: a cosine model exports a SavedModel with an "
                              "embeddings signature (format='tf_saved_model')")
         with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
-            write_embedding_archive(plain, self._dense_names[-1], path, embeddings_only)
+            if embeddings_only:  # the trunk alone: the class layer is never built
+                write_embedding_archive(self._plain_trunk(), path)
+            else:
+                plain = self.to_keras_model()
+                write_embedding_archive(embedding_model(plain, plain.get_layer(
+                    self._dense_names[-1])), path, plain)
         return filepath
+
+    def _plain_trunk(self) -> keras.Model:
+        """The trunk (a cosine head's embedding) as a one-device model with these weights."""
+        trunk = outside_strategy_scope(lambda: keras.models.clone_model(self.trunk))
+        trunk.set_weights(self.trunk.get_weights())
+        return trunk
 
     def save_own_variables(self, store):
         """Each FC layer, and its optimizer slots, as whole tensors: the same file at any K.
