@@ -12,6 +12,12 @@ shard k is decided by the caller (owt_tf.parallel.placement), never here.
 Class counts that K does not divide are padded with zero columns whose logits are masked
 out of the loss, so their gradient is exactly zero and they stay zero; `full_weights`
 drops them. Hidden widths must be divisible by K.
+
+A head that samples its classes (Partial FC) keeps its class layer class-major: shard k's
+kernel is stored transposed, [its classes, in], so that a sampled update reads and writes
+whole rows (`sampled_rows`; owt_tf.parallel.head.sparse). Everything that leaves the shards
+(`assemble`, `copy_shards_into`, files) sees the usual [in, out]. Shards are made from a
+WholeWeights a block at a time (`fill`): the whole layer never exists in memory.
 """
 from __future__ import annotations
 
