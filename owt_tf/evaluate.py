@@ -53,7 +53,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # TensorFlow loads only now, after the flags were found good.
     start_tensorflow(args.verbose)
     from owt_tf.training.files.checkpoint import NoReadableCheckpoint
-    from owt_tf.training.evaluation import evaluate_probabilities, softmax_predictor
+    from owt_tf.training.evaluation import (evaluate_probabilities, evaluate_ten_crop_batches,
+                                            softmax_predictor)
     from owt_tf.training.files.runs import load_run
     from owt_tf.training.files.serving import ExportError, load_export
 
@@ -68,9 +69,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ExportError, FileNotFoundError, NoReadableCheckpoint) as err:
         return fail(PROG, err)
     if not hasattr(dataset, "val_images"):  # streamed from disk
-        if args.ten_crop or args.model or args.split != "validation":
-            return fail(PROG, f"--ten-crop, --model and --split train need an in-memory "
-                              f"dataset; {dataset.name} is streamed: use --logdir")
+        # A prepared set streams its validation images' ten views (prepared:DIR)
+        streams_views = args.ten_crop and hasattr(dataset, "validation_ten_crops")
+        if args.split != "validation" or (args.ten_crop and not streams_views) or (
+                args.model and not streams_views):
+            return fail(PROG, f"--ten-crop (but on a prepared: set), --model (but with "
+                              f"--ten-crop on a prepared: set) and --split train need an "
+                              f"in-memory dataset; {dataset.name} is streamed: use --logdir")
+        if streams_views:
+            result = evaluate_ten_crop_batches(
+                predict, dataset.validation_ten_crops(256, normalized=False))
+            print(f"{dataset.name} validation ({result['examples']} images, 10-crop): "
+                  f"top-1 error {result['top1_error']:.2%}  "
+                  f"top-5 error {result['top5_error']:.2%}")
+            return 0
         ev = trainer.evaluate()
         print(f"{dataset.name} validation ({ev.examples} images, center crop): "
               f"top-1 error {ev.top1_error:.2%}  top-5 error {ev.top5_error:.2%}")

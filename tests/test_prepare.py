@@ -23,7 +23,8 @@ from owt_tf.data.prepared import read_manifest
 from owt_tf.data.prepared import writer as prepare_writer
 from owt_tf.data.prepared.writer import PrepareSettings, prepare
 from owt_tf.data.preprocess import decode_train_crop, eval_preprocess, train_draws
-from owt_tf.training.evaluation import ten_crops, upscale_for_ten_crop
+from owt_tf.training.evaluation import (evaluate_probabilities, evaluate_ten_crop_batches,
+                                        ten_crops, upscale_for_ten_crop)
 
 CLASSES = ("cat", "dog", "fox")
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
@@ -355,6 +356,32 @@ def test_evaluation_center_crop_and_ten_crops_as_the_folder_path(prepared):
         np.testing.assert_allclose(views[:, v].numpy(), expected, atol=1e-4)
 
 
+def test_ten_crop_error_of_a_streamed_set_equals_the_in_memory_path(prepared):
+    """`evaluate --ten-crop` on a prepared set: every validation image's ten views streamed
+    and scored give the error rates the in-memory path gives on the same stored images
+    (`evaluate_probabilities`, ten_crops of upscale_for_ten_crop), for a predictor that
+    reads every pixel."""
+    data = load_dataset(f"prepared:{prepared}", (224, 224, 3))
+    records = _stored(prepared, "validation", dct_method="")
+    stored = np.stack([image for _, _, image in records])
+    labels = np.array([label for _, label, _ in records])
+    weights = np.random.default_rng(0).normal(size=(224 * 224 * 3, 3)).astype(np.float32)
+    calls = []
+
+    def predict(x):  # a softmax of a fixed random linear map of the uint8 pixels
+        assert x.dtype == np.uint8 and x.shape[1:] == (224, 224, 3)
+        calls.append(len(x))
+        logits = (x.reshape(len(x), -1).astype(np.float32) / 255.0) @ weights
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
+    want = evaluate_probabilities(predict, stored, labels, (224, 224), ten_crop=True)
+    calls.clear()
+    got = evaluate_ten_crop_batches(predict, data.validation_ten_crops(4, normalized=False))
+    assert got == want
+    assert sum(calls) == 10 * len(labels) and 0 < want["top1_error"] < 1
+
+
 def _copy_set(prepared, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(prepared, out)
@@ -457,6 +484,13 @@ def test_train_cli_trains_on_a_prepared_set(prepared, tmp_path):
     stats = json.loads((tmp_path / "run" / "input_stats.json").read_text())
     manifest = read_manifest(str(prepared))
     np.testing.assert_allclose(stats["mean"], manifest["mean"])
+    # 10-crop evaluation of the run, its validation views streamed from the set
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.evaluate", "--logdir",
+                           str(tmp_path / "run"), "--ten-crop"],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    images = manifest["counts"]["validation"]
+    assert f"validation ({images} images, 10-crop): top-1 error" in proc.stdout
 
 
 @pytest.mark.slow

@@ -52,6 +52,20 @@ def evaluate_probabilities(predict: Callable[[np.ndarray], np.ndarray], images: 
     return error_rates(np.mean([batched(v) for v in views], axis=0), labels)
 
 
+def evaluate_ten_crop_batches(predict: Callable[[np.ndarray], np.ndarray], batches) -> dict:
+    """`predict(uint8 images) -> probabilities` averaged over each image's ten views, for a
+    streamed set's batches of (views [N, 10, h, w, C] float32 pixels, labels [N]): the views
+    rounded to uint8 as `upscale_for_ten_crop` rounds an in-memory set's, so both paths
+    score the same pixels."""
+    probabilities, labels = [], []
+    for views, batch_labels in batches:
+        views = np.clip(np.rint(np.asarray(views)), 0, 255).astype(np.uint8)
+        probabilities.append(np.mean([predict(views[:, v]) for v in range(views.shape[1])],
+                                     axis=0))
+        labels.append(np.asarray(batch_labels))
+    return error_rates(np.concatenate(probabilities), np.concatenate(labels))
+
+
 def softmax_predictor(trainer) -> Callable[[np.ndarray], np.ndarray]:
     """`predict(uint8 images) -> probabilities` of a Trainer's model."""
     def predict(x):

@@ -260,15 +260,17 @@ class PreparedDataset(StreamDataset):
         side = self.manifest["settings"].get("side")
         return isinstance(side, int) and side * 224 == h * 256 and w <= side
 
-    def validation_ten_crops(self, batch: int) -> tf.data.Dataset:
+    def validation_ten_crops(self, batch: int, normalized: bool = True) -> tf.data.Dataset:
         """One pass over the validation split as (views [N, 10, h, w, C] normalised float32,
         labels [N]): AlexNet's ten crops (`ten_crop_views`), batches of `batch`; an image
-        that does not decode is left out (logged)."""
+        that does not decode is left out (logged). `normalized` False: the views' float32
+        pixels (0..255), for a predictor that normalises itself."""
         size = self.image_shape[:2]
 
         def views(encoded, label):
             image, label = self._decode(encoded, label)
-            return normalize(ten_crop_views(image, size), self.mean, self.std), label
+            pixels = ten_crop_views(image, size)
+            return (normalize(pixels, self.mean, self.std) if normalized else pixels), label
 
         decoded = self._val_records().map(views, num_parallel_calls=tf.data.AUTOTUNE,
                                           deterministic=True)
