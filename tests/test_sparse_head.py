@@ -188,3 +188,30 @@ def test_a_sampled_run_resumes_at_another_k(monkeypatch, devices, tmp_path, k_fr
     waiting = (np.abs(before["fc0_kernel_slot0"]).max(axis=0) > 0) & ~moved
     assert waiting.sum() > 10
     assert np.isfinite(logs["loss"])
+
+
+def test_loss_scaled_sampled_updates_skip_together_and_move_only_sampled_classes(devices):
+    """mixed_float16 with Keras' LossScaleOptimizer and a class sample: an overflowing
+    step moves nothing anywhere (the sample's rows cross into the cross-replica verdict);
+    once the scale is low enough the update applies, to the sampled classes only."""
+    from owt_tf.parallel.precision import keras_policy
+
+    with keras_policy("float16"):
+        model = _unbuilt(cosine=True)
+    strategy = owt_tf.HybridStrategy(devices=devices[:4], scheme="owt-b", sample_rate=0.1)
+    with strategy.scope():
+        parallel = owt_tf.parallelize(model, seed=2, input_shape=(SIDE, SIDE, 3))
+        parallel.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=2.0 ** 40),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    (x, y), = _batches(1, 4)
+    before = parallel.head_state()["fc0_kernel"]
+    parallel.train_on_batch(x, y)
+    np.testing.assert_array_equal(parallel.head_state()["fc0_kernel"], before)
+    for _ in range(40):
+        parallel.train_on_batch(x, y)
+        if int(parallel.optimizer.iterations.numpy()):
+            break
+    assert int(parallel.optimizer.iterations.numpy()) == 1
+    moved = np.any(parallel.head_state()["fc0_kernel"] != before, axis=0)
+    assert moved[y].all() and 0.05 * CLASSES < moved.sum() < 0.2 * CLASSES
