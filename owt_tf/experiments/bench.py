@@ -110,15 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default="softmax", choices=("softmax", "arcface"),
                    help="with --big-head: the class layer, a Dense softmax or a face model's "
                         "cosine layer (NormalizedDense) trained with ArcFace")
-    p.add_argument("--save-weights", action="store_true",
-                   help="with --big-head: owt_tf also saves and loads its weights file after "
-                        "training; the peak RSS after each is printed")
-    p.add_argument("--head-classes", default=None,
-                   help="with --big-head: comma-separated class counts, each run in turn and "
-                        "printed as one table of classes x sample rate (default: --classes)")
-    p.add_argument("--features", type=int, default=256,
-                   help="with --big-head: the head's input width (the trunk's features; a "
-                        "face model's embedding: 128 or 512)")
+    p.add_argument("--save-weights", action="store_true", help="with --big-head: owt_tf "
+                   "then saves and loads its weights file (peak RSS after each)")
+    p.add_argument("--head-classes", default=None, help="with --big-head: comma-separated "
+                   "class counts, one table of classes x sample rate (default: --classes)")
+    p.add_argument("--features", type=int, default=256, help="with --big-head: the head's "
+                   "input width (a face model's embedding: 128 or 512)")
     p.add_argument("--keras-step", action="store_true",
                    help="one model's step three ways, each in a fresh process: the CLI's, "
                         "owt_tf.parallelize(model).fit and MirroredStrategy fit (the first "
