@@ -171,12 +171,6 @@ class ShardedDense(tf.Module):
             bias = bias_pad if bias is None else np.concatenate([bias, bias_pad])
         return (np.ascontiguousarray(kernel.T) if self.class_major else kernel), bias
 
-    def split_full(self, kernel: np.ndarray, bias: np.ndarray) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-        """A whole (kernel, bias) -- weights or momenta -- cut into this layer's shards as
-        their variables hold them (padded, class-major where the layer is)."""
-        parts = [self.shard_part(ArrayWeights(kernel, bias), k) for k in range(self.num_shards)]
-        return [p[0] for p in parts], [p[1] for p in parts]
-
     def shard_variables(self, k: int) -> List[tf.Variable]:
         return [self.kernels[k], self.biases[k]]
 
