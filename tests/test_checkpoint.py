@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from owt_tf.config import RunConfig
+from owt_tf.parallel.head import state as head_state
 from owt_tf.training.loop import Trainer
 from reference import rel_err
 
@@ -51,6 +52,34 @@ def test_saved_at_four_devices_resumes_at_two(devices, tmp_path):
                                                 **common), 8)
     assert at_two.resumed_from.endswith("ckpt-4")
     _assert_same_weights(at_two.model.full_weights(), never_stopped.model.full_weights())
+
+
+@pytest.mark.parametrize("k_from,k_to", [(4, 2)])  # 2 -> 4: the Keras path's test
+def test_a_sampled_cli_run_resumes_at_another_k(devices, tmp_path, k_from, k_to):
+    """The CLI's Partial FC run (--sample-rate 0.25, its class layer kept class-major on
+    the shards): the checkpoint holds the head and its momentum whole, so another K
+    restores exactly what was saved and goes on training from that step."""
+    common = dict(scheme="owt-b", fc_batch="global", loss="sharded", sample_rate=0.25,
+                  dropout=0.0, eval_every=0, checkpoint_every=0, seed=5)
+    logdir = str(tmp_path / "run")
+    first = _fit(devices, RunConfig.from_flags(devices=k_from, batch_size=16 // k_from, steps=3,
+                                               logdir=logdir, **common), 3)
+    saved = first.model.full_weights()
+    saved_momentum = head_state.head_arrays(first.model.head, first.optimizer.fc)
+    config = RunConfig.from_flags(devices=k_to, batch_size=16 // k_to, steps=5, logdir=logdir,
+                                  **common)
+    resumed = Trainer(config, devices=devices[:k_to])
+    assert resumed.resumed_from.endswith("ckpt-3") and resumed.model.head.num_shards == k_to
+    assert resumed.model.head.layers[-1].class_major
+    _assert_same_weights(resumed.model.full_weights(), saved, tol=1e-12)
+    restored = head_state.head_arrays(resumed.model.head, resumed.optimizer.fc)
+    last = len(resumed.model.head.layers) - 1
+    for key in (f"fc{last}_kernel_slot0", f"fc{last}_bias_slot0"):
+        assert rel_err(restored[key], saved_momentum[key]) == 0
+    resumed.fit(steps=5, log=lambda line: None, progress=False)
+    assert int(resumed.step) == 5
+    after = resumed.model.full_weights()["head"][-1][0]
+    assert 0 < rel_err(after, saved["head"][-1][0]) < 1
 
 
 def _cli_train(*flags):
