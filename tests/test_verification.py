@@ -145,6 +145,9 @@ def _image_model(size=6, classes=4):
 
 
 def test_the_callback_logs_reach_history_and_tensorboard(tmp_path):
+    # Seeded: with some unseeded draws of the Dense, an impostor pair of these all-positive
+    # random images scores as high as the identical genuine pairs and one fold errs.
+    keras.utils.set_random_seed(4)
     rng = np.random.default_rng(4)
     pairs = _pairs(rng)
     images = rng.random((32, 6, 6, 3)).astype(np.float32)
