@@ -57,10 +57,11 @@ def test_an_unbuilt_head_is_drawn_with_the_whole_layers_distribution(devices, co
     np.testing.assert_array_equal(bias, 0.0)
     # shards are not copies of one draw
     assert not np.allclose(kernel[:, :1001], kernel[:, 1001:2002])
-    again = _parallel(_unbuilt(cosine=cosine), devices, 4, rate).fc_weights()[-1][0]
-    other = _parallel(_unbuilt(cosine=cosine), devices, 4, rate, seed=1).fc_weights()[-1][0]
-    np.testing.assert_array_equal(again, kernel)
-    assert not np.allclose(other, kernel)
+    if cosine:  # the seed decides the draw (checked once: each split costs a parallelize)
+        again = _parallel(_unbuilt(cosine=cosine), devices, 4, rate).fc_weights()[-1][0]
+        other = _parallel(_unbuilt(cosine=cosine), devices, 4, rate, seed=1).fc_weights()[-1][0]
+        np.testing.assert_array_equal(again, kernel)
+        assert not np.allclose(other, kernel)
 
 
 def test_he_normal_keeps_the_whole_layers_fan_in(devices):
