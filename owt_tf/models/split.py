@@ -95,19 +95,31 @@ def _head_chain(model: keras.Model) -> Tuple[List, object]:
         tensor = layer.input
         if isinstance(tensor, (list, tuple)):
             raise UnsupportedModel(f"layer {layer.name}: takes several inputs")
-    # Dropout / Activation before the first Dense belong to the trunk (they see the
-    # features, not an FC layer's output).
-    while chain and not isinstance(chain[0], _FC_TYPES):
-        tensor = chain.pop(0).output
-    # A cosine class layer is the whole head: what feeds it is the embedding, which face
-    # models keep and compute data-parallel (an FC to D, BatchNormalization, ...).
-    if chain and isinstance(chain[-1], NormalizedDense):
-        tensor = chain[-1].input
-        chain = chain[-1:]
+    chain = _trimmed_head(chain)
     if not chain:
         raise UnsupportedModel(f"model {model.name}: its output is not made by a Dense layer "
                                "(owt_tf shards the Dense layers at the end of a model)")
-    return chain, tensor
+    return chain, chain[0].input
+
+
+def _trimmed_head(chain: List) -> List:
+    """The head of a model's final chain of head-type layers: Dropout / Activation before
+    the first Dense belong to the trunk (they see the features, not an FC layer's output),
+    and a cosine class layer is the whole head (what feeds it is the embedding, which face
+    models keep and compute data-parallel: an FC to D, BatchNormalization, ...)."""
+    start = 0
+    while start < len(chain) and not isinstance(chain[start], _FC_TYPES):
+        start += 1
+    if start < len(chain) and isinstance(chain[-1], NormalizedDense):
+        start = len(chain) - 1
+    return chain[start:]
+
+
+def _check_rank2_features(chain: List, features) -> None:
+    if len(features.shape) != 2:
+        raise UnsupportedModel(f"layer {chain[0].name}: its input has shape "
+                               f"{tuple(features.shape)}; the first Dense of the head needs a "
+                               "rank-2 input (put Flatten or GlobalAveragePooling2D before it)")
 
 
 def _check_dense(layer, last: bool) -> None:
@@ -254,10 +266,7 @@ def split_keras_model(model: keras.Model, allow_float16: bool = False) -> KerasS
     inputs = model.inputs
     chain, features = _head_chain(model)
     _check_head_starts_at_first_dense(model, chain, features)
-    if len(features.shape) != 2:
-        raise UnsupportedModel(f"layer {chain[0].name}: its input has shape {tuple(features.shape)}; "
-                               "the first Dense of the head needs a rank-2 input (put Flatten "
-                               "or GlobalAveragePooling2D before it)")
+    _check_rank2_features(chain, features)
     _check_chain_is_private(model, chain, features)
     if not allow_float16:
         _check_no_float16(model)
@@ -276,33 +285,20 @@ def split_unbuilt_sequential(model: keras.Sequential, input_shape: Tuple[int, ..
     weights are drawn shard by shard from each Dense's initializers (head_weights), never
     whole. The way to a head too large for one device (10M classes)."""
     layers = list(model.layers)
-    cut = len(layers)
-    while cut and isinstance(layers[cut - 1], _HEAD_TYPES):
-        cut -= 1
-    chain = layers[cut:]
-    while chain and not isinstance(chain[0], _FC_TYPES):
-        chain.pop(0)
-        cut += 1
-    if chain and isinstance(chain[-1], NormalizedDense):  # a cosine class layer: the head
-        cut, chain = len(layers) - 1, chain[-1:]
+    tail = len(layers)
+    while tail and isinstance(layers[tail - 1], _HEAD_TYPES):
+        tail -= 1
+    chain = _trimmed_head(layers[tail:])
     if not chain:
         raise UnsupportedModel(f"model {model.name}: its last layer is not a Dense layer "
                                "(owt_tf shards the Dense layers at the end of a model)")
+    cut = len(layers) - len(chain)
     trunk_layers = [type(layer).from_config(layer.get_config()) for layer in layers[:cut]]
     trunk = keras.Sequential([keras.Input(tuple(input_shape))] + trunk_layers,
                              name=f"{model.name}_trunk")
     features = trunk.outputs[0]
-    if len(features.shape) != 2:
-        raise UnsupportedModel(f"layer {chain[0].name}: its input has shape "
-                               f"{tuple(features.shape)}; the first Dense of the head needs a "
-                               "rank-2 input (put Flatten or GlobalAveragePooling2D before it)")
-    if not isinstance(chain[0], NormalizedDense):
-        for layer in trunk.layers:
-            if isinstance(layer, keras.layers.Dense) and len(layer.input.shape) == 2:
-                raise UnsupportedModel(f"layer {layers[cut - 1].name}: a "
-                                       f"{type(layers[cut - 1]).__name__} inside the FC head "
-                                       f"(after {layer.name}); the head must be a chain of "
-                                       "Dense, Activation and Dropout layers")
+    _check_head_starts_at_first_dense(trunk, chain, features)
+    _check_rank2_features(chain, features)
     if not allow_float16:
         _check_no_float16(trunk)
     spec, names = _head_spec(chain)

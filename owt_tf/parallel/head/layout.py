@@ -176,14 +176,11 @@ class ShardedDense(tf.Module):
 
     def joined_variables(self) -> Tuple[tf.Tensor, tf.Tensor]:
         """The whole (kernel [in, out], bias) as tensors, joined from every shard (all must be
-        local)."""
+        local; a class-major layer is never joined: joined_rounds multiplies its shards)."""
         self._check_all_local()
         ks = [self.kernels[i] for i in range(self.num_shards)]
         bs = [self.biases[i] for i in range(self.num_shards)]
-        if self.class_major:
-            kernel = tf.transpose(tf.concat(ks, axis=0))
-        else:
-            kernel = tf.concat(ks, axis=1 if self.split == COL else 0)
+        kernel = tf.concat(ks, axis=1 if self.split == COL else 0)
         bias = tf.concat(bs, axis=0)
         return kernel[:, :self.out_dim], bias[:self.out_dim]
 
@@ -270,27 +267,34 @@ def assemble(layer: ShardedDense, kernel_parts: Sequence[np.ndarray],
     return kernel[:, :layer.out_dim], bias[:layer.out_dim]
 
 
+def whole_kernel_blocks(layer: ShardedDense, variable_of: Callable[[int], tf.Variable]):
+    """(index into the whole [in, out] kernel, value) of every shard's kernel-shaped state
+    (`variable_of(k)`: weights or a slot), 64 MB at a time, the padding left out: how the
+    whole leaves the shards (files, a one-device model) without existing whole."""
+    width = layer.shard_columns()
+    step = max(1, BLOCK_BYTES // (4 * layer.in_dim))
+    for k in range(layer.num_shards):
+        value = variable_of(k)
+        if layer.split == ROW:
+            rows = layer.in_dim // layer.num_shards
+            yield (slice(k * rows, (k + 1) * rows), slice(None)), tf.convert_to_tensor(value)
+            continue
+        real = min(width, layer.out_dim - k * width)
+        for lo in range(0, max(0, real), step):
+            hi = min(real, lo + step)
+            block = layer.read_block(value, lo, hi)
+            yield ((slice(None), slice(k * width + lo, k * width + hi)),
+                   tf.transpose(block) if layer.class_major else block)
+
+
 def copy_shards_into(layer: ShardedDense, kernel, bias=None) -> None:
     """Assigns every shard of `layer` (all in this process) into a whole [in, out] `kernel`
     variable and [out] `bias` (a one-device Keras layer's), 64 MB at a time: no whole copy
     besides the target."""
     layer._check_all_local()
     kernel = getattr(kernel, "value", kernel)  # a Keras variable: its tf.Variable
-    width = layer.shard_columns()
-    step = max(1, BLOCK_BYTES // (4 * layer.in_dim))
-    for k in range(layer.num_shards):
-        part = layer.kernels[k]
-        if layer.split == ROW:
-            rows = layer.in_dim // layer.num_shards
-            kernel[k * rows:(k + 1) * rows].assign(part)
-            continue
-        real = min(width, layer.out_dim - k * width)
-        for lo in range(0, max(0, real), step):
-            hi = min(real, lo + step)
-            block = layer.read_block(part, lo, hi)
-            start = k * width
-            kernel[:, start + lo:start + hi].assign(
-                tf.transpose(block) if layer.class_major else block)
+    for index, block in whole_kernel_blocks(layer, lambda k: layer.kernels[k]):
+        kernel[index].assign(block)
     if bias is not None:
         bias = getattr(bias, "value", bias)
         bias.assign(tf.concat([layer.biases[k] for k in range(layer.num_shards)], 0)[:layer.out_dim])

@@ -60,19 +60,14 @@ def sampled_sgd(variables: Sequence[tf.Variable], slots: Optional[Sequence[tf.Va
             variable.scatter_sub(tf.IndexedSlices(lr * grad, ids))
 
 
-def dense_gradients(variables: Sequence[tf.Variable], grads: Sequence[tf.Tensor],
-                    sample: SampledColumns) -> list:
-    """The sampled rows' gradients scattered into zeros shaped like `variables`: for reports
-    and tests that compare whole gradients (a training step never builds them)."""
-    return [tf.scatter_nd(sample.ids[:, None], g, tf.shape(v, out_type=sample.ids.dtype))
-            for v, g in zip(variables, grads)]
-
-
 def whole_shard_gradients(head, shard: int, grads: Sequence[tf.Tensor],
                           sample: Optional[SampledColumns]) -> list:
-    """One FC update's gradients of shard `shard` shaped like its variables (the class
-    layer's sampled rows scattered into zeros under a sample)."""
+    """One FC update's gradients of shard `shard` shaped like its variables: under a sample
+    the class layer's sampled rows scattered into zeros. For reports and tests that compare
+    whole gradients; a training step never builds them."""
     if sample is None:
         return list(grads)
     class_layer = head.layers[-1].shard_variables(shard)
-    return list(grads[:-2]) + dense_gradients(class_layer, grads[-2:], sample)
+    return list(grads[:-2]) + [
+        tf.scatter_nd(sample.ids[:, None], g, tf.shape(v, out_type=sample.ids.dtype))
+        for v, g in zip(class_layer, grads[-2:])]

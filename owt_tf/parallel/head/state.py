@@ -22,8 +22,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Protocol, Sequence,
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.parallel.head import layout
-from owt_tf.parallel.head.layout import ROW, ShardedHead, ShardReader, read_local_shards
+from owt_tf.parallel.head.layout import (ShardedHead, ShardReader, read_local_shards,
+                                         whole_kernel_blocks)
 from owt_tf.parallel.head.sampling import SampledColumns
 
 KIND_KEY = "fc_optimizer_kind"
@@ -118,7 +118,8 @@ def write_head_parts(head: ShardedHead, optimizer: Optional[ShardOptimizer],
                 return weight_key(i, part) if group == 0 else slot_key(i, part, group - 1)
 
             write(name("kernel"), (layer.in_dim, layer.out_dim), np.dtype("float32"),
-                  _kernel_parts(layer, lambda k: state(k, 0)))
+                  ((index, np.asarray(block)) for index, block in
+                   whole_kernel_blocks(layer, lambda k: state(k, 0))))
             bias = np.concatenate([np.asarray(state(k, 1)) for k in range(layer.num_shards)])
             write(name("bias"), (layer.out_dim,), np.dtype("float32"),
                   [((slice(None),), bias[:layer.out_dim])])
@@ -128,25 +129,6 @@ def write_head_parts(head: ShardedHead, optimizer: Optional[ShardOptimizer],
         if optimizer.iterations is not None:
             small[ITERATIONS_KEY] = np.asarray(optimizer.iterations.numpy())
     return small
-
-
-def _kernel_parts(layer, variable_of: Callable[[int], tf.Variable]):
-    """(index, value) of the whole [in, out] kernel's parts, each shard a block of 64 MB at a
-    time (a class-major shard's block transposed: columns of the whole)."""
-    width = layer.shard_columns()
-    step = max(1, layout.BLOCK_BYTES // (4 * layer.in_dim))
-    for k in range(layer.num_shards):
-        value = variable_of(k)
-        if layer.split == ROW:
-            rows = layer.in_dim // layer.num_shards
-            yield (slice(k * rows, (k + 1) * rows), slice(None)), np.asarray(value)
-            continue
-        real = min(width, layer.out_dim - k * width)
-        for lo in range(0, max(0, real), step):
-            hi = min(real, lo + step)
-            block = np.asarray(layer.read_block(value, lo, hi))
-            yield ((slice(None), slice(k * width + lo, k * width + hi)),
-                   np.ascontiguousarray(block.T) if layer.class_major else block)
 
 
 def saved_slots(arrays: Dict[str, np.ndarray]) -> int:
