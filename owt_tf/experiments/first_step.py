@@ -37,6 +37,7 @@ def measure(model: str, scheme: str, fc_batch: str, k: int, batch: int, classes:
     import tensorflow as tf
 
     from owt_tf.models import build_model
+    from owt_tf.parallel.step import step_seed
     from owt_tf.parallel.strategy import HybridStrategy
     from owt_tf.training.driver import StepDriver
     from owt_tf.training.optim import build_optimizer
@@ -51,8 +52,10 @@ def measure(model: str, scheme: str, fc_batch: str, k: int, batch: int, classes:
     labels = rng.integers(0, classes, size=(batch * k,)).astype(np.int32)
     x = hybrid.placement.distribute_global_batch(images)
     y = hybrid.placement.distribute_global_batch(labels)
-    seed = tf.constant([0, 1], tf.int32)
-    step = tf.function(lambda x, y: driver.train_step(built, optim, x, y, seed))
+    # The seed follows a step counter, as the CLI's loop's does (a constant seed would be
+    # folded into the graph, which the CLI's is not).
+    counter = tf.Variable(0, dtype=tf.int64)
+    step = tf.function(lambda x, y: driver.train_step(built, optim, x, y, step_seed(0, counter)))
     times = []
     for _ in range(2):
         start = time.perf_counter()

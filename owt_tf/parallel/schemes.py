@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -101,6 +101,8 @@ class RoundsResult:
     labels: List[tf.Tensor]  # per round: the labels of those rows
     # per applied FC update: its class sample (fc_grads' class layer: of its rows), or None
     fc_samples: List[Optional[SampledColumns]] = dataclasses.field(default_factory=list)
+    # per applied FC update: bool [its gradients]: is each finite (finite_flags)
+    fc_finite: List[tf.Tensor] = dataclasses.field(default_factory=list)
 
 
 # Applies one FC update of this shard: its gradients (head.shard_variables order; under a
@@ -218,20 +220,22 @@ def _cut_groups(cuts: Sequence[coll.Cut]) -> List[List[int]]:
 
 
 def _round_function(rounds: StepRounds, head: ShardedHead, shard: int, training: bool,
-                    seed: Optional[tf.Tensor], loss_scale: Optional[tf.Tensor],
-                    apply_fc_update: FcUpdate):
+                    loss_scale: Optional[tf.Tensor], apply_fc_update: FcUpdate):
     """One round of fc_batch='worker' (forward, loss, backward, this shard's FC update) as
     a function this replica traces once and calls once per round: its step graph then holds
     one round's FC work, not K rounds' (the first step's trace and graph optimisation grew
     with K x rounds: 7 s at K=4, 22 s at K=8). A function per replica (each captures its
-    own shard's variables); the round's number is an argument (its dropout seed and class
-    sample follow it). Returns (the rows' gradient, the FC update applied, the loss terms,
-    the sample's (ids, valid) or ())."""
+    own shard's variables). Returns the round's _RoundOut.
+
+    Kept a call (`_noinline`): inlined, grappler optimises the K x K round bodies of a step
+    as one graph (20 s of the first step at K=16). Every call site passes tensors only
+    (the round's seed, not its number): a call with a constant argument is specialised per
+    call site, K x K function bodies optimised again one by one (6 s at K=16). What every
+    round reports is reduced here, inside, for the same reason."""
     shard_vars = head.shard_variables(shard)
 
-    @tf.function(autograph=False)
-    def one_round(x, y, r, w):
-        round_seed = None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
+    @tf.function(autograph=False, experimental_attributes={"_noinline": True})
+    def one_round(x, y, round_seed, w):
         fwd = _forward(rounds, head, None, [x], [y], shard, training, round_seed, False,
                        loss_scale, None if w is None else [w], seeds_given=True)
         grads = fwd.tape.gradient(fwd.losses[0], [x] + fwd.sources(shard_vars),
@@ -239,9 +243,33 @@ def _round_function(rounds: StepRounds, head: ShardedHead, shard: int, training:
         update = unscaled(grads[1:], loss_scale)
         apply_fc_update(update, fwd.sample)
         rows = () if fwd.sample is None else (fwd.sample.ids, fwd.sample.valid)
-        return grads[0], update, fwd.terms[0], rows
+        ce, right, outputs = fwd.terms[0]
+        return _RoundOut(grads[0] / rounds.num_rounds, update, finite_flags(update),
+                         tf.reduce_sum(ce), tf.reduce_sum(tf.cast(right, tf.int32)), outputs, rows)
 
     return one_round
+
+
+class _RoundOut(NamedTuple):
+    """What a round function returns (a namedtuple: tf.function returns no dataclass)."""
+
+    input_grad: tf.Tensor  # d loss / d the round's rows, over the number of rounds
+    update: List[tf.Tensor]  # the FC gradients it applied
+    finite: tf.Tensor  # bool [len(update)]: is each of them finite
+    loss_sum: tf.Tensor
+    correct: tf.Tensor
+    outputs: object
+    rows: tuple  # the class sample's (ids, valid), or ()
+
+
+def finite_flags(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """bool [len(tensors)]: is every value of each tensor finite."""
+    return tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+
+
+def _round_seeds(seed: Optional[tf.Tensor], num_rounds: int) -> List[Optional[tf.Tensor]]:
+    return [None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
+            for r in range(num_rounds)]
 
 
 def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_local: tf.Tensor,
@@ -270,19 +298,20 @@ def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_l
     shard_vars = head.shard_variables(shard)
     if rounds.updates_fc_every_round:
         # round r+1 runs on the FC weights round r updated
-        one_round = _round_function(rounds, head, shard, training, seed, loss_scale,
-                                    apply_fc_update)
-        applied, input_grads, terms, samples = [], [], [], []
-        for r in range(rounds.num_rounds):
+        one_round = _round_function(rounds, head, shard, training, loss_scale, apply_fc_update)
+        outs = []
+        for r, round_seed in enumerate(_round_seeds(seed, rounds.num_rounds)):
             # The first call traces the round: what it sends, it sends once per round.
             with tf.name_scope(f"fc_round{r}"), (
                     ledger.repeated(rounds.num_rounds) if r == 0 else contextlib.nullcontext()):
-                grad, update, term, rows = one_round(inputs[r], labels[r], tf.constant(r),
-                                                     None if weights is None else weights[r])
-            applied.append(update)
-            samples.append(SampledColumns(*rows, head.shard_width()) if rows else None)
-            input_grads.append(grad / rounds.num_rounds)
-            terms.append(term)
+                outs.append(one_round(inputs[r], labels[r], round_seed,
+                                      None if weights is None else weights[r]))
+        input_grads = [o.input_grad for o in outs]
+        applied, finite = [o.update for o in outs], [o.finite for o in outs]
+        samples = [SampledColumns(*o.rows, head.shard_width()) if o.rows else None for o in outs]
+        loss_sum, correct = tf.add_n([o.loss_sum for o in outs]), tf.add_n([o.correct for o in outs])
+        outputs = [o.outputs for o in outs]
+        count = int(inputs[0].shape[0]) * rounds.num_rounds
     else:
         fwd = _forward(rounds, head, range(rounds.num_rounds), inputs, labels, shard, training, seed, True,
                        loss_scale, weights)
@@ -290,12 +319,10 @@ def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_l
         input_grads = [g / rounds.num_rounds for g in grads[:rounds.num_rounds]]
         averaged = unscaled([g / rounds.num_rounds for g in grads[rounds.num_rounds:]], loss_scale)
         apply_fc_update(averaged, fwd.sample)
-        applied, samples = [averaged], [fwd.sample]
-        terms = fwd.terms
-    loss_sum, correct = tf.constant(0.0), tf.constant(0)
-    for ce, right, _ in terms:
-        loss_sum += tf.reduce_sum(ce)
-        correct += tf.reduce_sum(tf.cast(right, tf.int32))
-    count = sum(int(ce.shape[0]) for ce, _, _ in terms)
+        applied, samples, finite = [averaged], [fwd.sample], [finite_flags(averaged)]
+        loss_sum = tf.add_n([tf.reduce_sum(ce) for ce, _, _ in fwd.terms])
+        correct = tf.add_n([tf.reduce_sum(tf.cast(right, tf.int32)) for _, right, _ in fwd.terms])
+        outputs = [out for _, _, out in fwd.terms]
+        count = sum(int(ce.shape[0]) for ce, _, _ in fwd.terms)
     return RoundsResult(exchange_backward(input_grads), applied, loss_sum, correct, count,
-                        [outputs for _, _, outputs in terms], labels, samples)
+                        outputs, labels, samples, finite)

@@ -21,6 +21,7 @@ from owt_tf.parallel.placement import DistributedModel, Placement
 from owt_tf.planner.plan import ParallelPlan, StepRounds
 from owt_tf.parallel.head.layout import assemble
 from owt_tf.parallel.head.sparse import whole_shard_gradients
+from owt_tf.parallel.schemes import finite_flags
 from owt_tf.parallel.step import (replica_eval_terms, replica_logit_shard, replica_logits,
                                   replica_train_step, shard_index, whole_logits)
 from owt_tf.parallel.strategy import HybridStrategy
@@ -127,10 +128,10 @@ class StepDriver:
         rounds, trunk_grads = step.rounds, step.trunk_grads
         # The numerical guard's input: is each of these finite on this replica (names:
         # finite_check_names). Checked here, where every gradient exists, for one pass each.
-        checks = [rounds.loss_sum] + list(trunk_grads) + [g for u in rounds.fc_grads for g in u]
+        # The FC updates' flags come made where their gradients are (in a round's function).
+        finite = tf.concat([finite_flags([rounds.loss_sum] + list(trunk_grads))] + rounds.fc_finite, 0)
         out = {"loss_sum": rounds.loss_sum, "correct": rounds.correct,
-               "count": tf.constant(rounds.count),
-               "finite": tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in checks])}
+               "count": tf.constant(rounds.count), "finite": finite}
         if with_grads:
             out["trunk_grads"] = trunk_grads
             out["fc_grads"] = [whole_shard_gradients(model.head, shard_index(self.rounds), g, s)
