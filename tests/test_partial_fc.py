@@ -290,9 +290,10 @@ def test_the_class_layer_multiplies_only_the_sampled_columns(devices):
     shapes = [tuple(t.shape.as_list()) for op in graph.get_operations() if op.type == "MatMul"
               for t in list(op.inputs) + list(op.outputs)]
     assert not [s for s in shapes if width in s]
-    # per shard: each round's logits [rows / K, S], the kernel gradient [S, 256]
+    # per shard: the logits of its update's rows (the K rounds' joined) [rows, S], the
+    # kernel gradient [S, 256]
     on_sampled = [s for s in shapes if size in s]
-    assert on_sampled.count((rows // K, size)) >= K * K and (size, 256) in on_sampled
+    assert on_sampled.count((rows, size)) >= K and (size, 256) in on_sampled
     # and nothing of the shard's whole kernel size anywhere in the step: the update (and
     # its gradient) is the sample's rows, never a dense [width, 256] tensor
     whole = [(op.type, tuple(t.shape.as_list())) for op in graph.get_operations()

@@ -102,7 +102,9 @@ def test_colrow_is_a_column_row_pair_with_one_all_reduce_each_way():
     for scheme, rounds in (("owt-a", 1), ("owt-b", k)):
         colrow = fc_exchange("colrow", scheme)
         rows = k * b if scheme == "owt-a" else b
-        assert colrow.calls == 2 * rounds  # one all-reduce forward, one backward, per round
+        # one all-reduce forward, one backward: the rounds of one FC update go through the
+        # FC layers joined after their first product
+        assert colrow.calls == 2
         assert colrow.nbytes == rounds * 2 * Fraction(2 * (k - 1), k) * rows * 32 * 4
         gather = fc_exchange("gather", scheme)
         assert gather.calls == 4  # after each hidden layer: a gather and its reduce-scatter

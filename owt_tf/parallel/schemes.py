@@ -120,6 +120,7 @@ class _Forward:
     terms: List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]  # per round: ce, right, outputs
     cuts: List[coll.Cut]  # collectives whose backward is deferred (empty: none deferred)
     sampled: Optional[SampledRows]  # the update's class sample and its rows (Partial FC)
+    labels: List[tf.Tensor]  # per entry of `terms`: its rows' labels
 
     def sources(self, shard_vars: List[tf.Variable]) -> List:
         """What the FC update differentiates: the shard's variables, the class layer's
@@ -151,18 +152,27 @@ def _forward(rounds: StepRounds, head: ShardedHead, round_ids: Optional[Sequence
     loss_weight = 1.0 / rounds.num_replicas
     if loss_scale is not None:  # fp16: gradients scaled up out of float16's underflow
         loss_weight = loss_weight * loss_scale
+    # Several rounds (one update's): their rows joined after the first product, one loss of
+    # all rows, the mean of the rounds' means (they have as many rows each).
+    join = len(inputs) > 1
     with tf.GradientTape(persistent=defer) as tape:
         for x in inputs:
             tape.watch(x)
         with coll.deferred_backward(tape) if defer else contextlib.nullcontext([]) as cuts:
             sample = _class_sample(head, labels, shard, training, seeds)
             sampled = None if sample is None else head.layers[-1].sampled_rows(shard, sample)
-            logits = forward_rounds(head, inputs, shard, training, seeds, round_ids, sampled)
-            terms = loss_terms_rounds(head, logits, labels, shard, round_ids, sample)
+            logits = forward_rounds(head, inputs, shard, training, seeds, round_ids, sampled, join)
+            if join:
+                labels, weights = _joined(labels), None if weights is None else _joined(weights)
+            terms = loss_terms_rounds(head, logits, labels, shard, None if join else round_ids, sample)
         if weights is not None:  # Keras' weighted reduction: sum(loss x weight) / rows
             terms = [(ce * w, right, out) for (ce, right, out), w in zip(terms, weights)]
         losses = [tf.reduce_mean(ce) * loss_weight for ce, _, _ in terms]
-    return _Forward(tape, inputs, losses, terms, cuts, sampled)
+    return _Forward(tape, inputs, losses, terms, cuts, sampled, labels)
+
+
+def _joined(ts: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    return [tf.concat(list(ts), 0)]
 
 
 def _class_sample(head: ShardedHead, labels: Sequence[tf.Tensor], shard: int, training: bool,
@@ -315,14 +325,15 @@ def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_l
     else:
         fwd = _forward(rounds, head, range(rounds.num_rounds), inputs, labels, shard, training, seed, True,
                        loss_scale, weights)
+        # the loss is already the mean over the rounds' rows
         grads = _deferred_backward(fwd, fwd.sources(shard_vars))
-        input_grads = [g / rounds.num_rounds for g in grads[:rounds.num_rounds]]
-        averaged = unscaled([g / rounds.num_rounds for g in grads[rounds.num_rounds:]], loss_scale)
+        input_grads = grads[:rounds.num_rounds]
+        averaged = unscaled(grads[rounds.num_rounds:], loss_scale)
         apply_fc_update(averaged, fwd.sample)
         applied, samples, finite = [averaged], [fwd.sample], [finite_flags(averaged)]
         loss_sum = tf.add_n([tf.reduce_sum(ce) for ce, _, _ in fwd.terms])
         correct = tf.add_n([tf.reduce_sum(tf.cast(right, tf.int32)) for _, right, _ in fwd.terms])
-        outputs = [out for _, _, out in fwd.terms]
+        outputs, labels = [out for _, _, out in fwd.terms], fwd.labels
         count = sum(int(ce.shape[0]) for ce, _, _ in fwd.terms)
     return RoundsResult(exchange_backward(input_grads), applied, loss_sum, correct, count,
                         outputs, labels, samples, finite)

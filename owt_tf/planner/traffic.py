@@ -60,9 +60,8 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
 
     Conv (and, for `data`, FC) gradients count as one launch each: they are packed into one
     all-reduce. Forward and backward collectives count separately. With one FC update per
-    step (fc_batch 'global'), each gather between and after the FC layers runs once for all
-    rounds, forward and backward; with 'worker', or as an all-reduce, once per round. Bytes
-    are the same.
+    step (fc_batch 'global'), each collective between and after the FC layers runs once for
+    all rounds, forward and backward; with 'worker', once per round. Bytes are the same.
     """
     if k == 1:
         return []
@@ -94,16 +93,16 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
     out.append(Transfer(ledger.ACTIVATIONS, act, act_calls))
-    # launches of each FC gather, each way: all rounds' rows at once with one FC update per
-    # step; an all-reduce always once per round (collectives.joins_rounds)
-    passes = 1 if fc_batch != "worker" and ledger.joins_rounds(k) else rounds
+    # launches of each FC collective, each way: with one FC update per step the rounds' rows
+    # go through the FC layers joined after the first product, so once; else once per round
+    passes = 1 if fc_batch != "worker" else rounds
     widths = list(net.hidden) + [net.num_classes]
     splits = layer_splits(len(widths), fc_exchange)
     fc, fc_calls = Fraction(0), 0
     for i, width in enumerate(widths[:-1]):
         if splits[i] == BY_INPUTS:
             fc += 2 * _reduce(n * width * value, k)  # partial sums forward, gradient backward
-            fc_calls += 2 * rounds
+            fc_calls += 2 * passes
         elif splits[i + 1] == BY_OUTPUTS:  # the next layer needs this one's whole output
             fc += _gather(n * width // k * value, k) + _scatter(n * width * value, k)
             fc_calls += 2 * passes
@@ -112,7 +111,7 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     if loss == "sharded":
         # max: gathered without gradient; normalizer and target logit: one all-reduce of
         # [n, 2] each way
-        per_round, calls = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k), passes + 2 * rounds
+        per_round, calls = _gather(n * F32, k) + 2 * _reduce(2 * n * F32, k), 3 * passes
     else:
         per_round = _gather(n * classes // k * value, k) + _scatter(n * classes * value, k)
         calls = 2 * passes

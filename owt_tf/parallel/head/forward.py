@@ -34,12 +34,18 @@ def forward(head: ShardedHead, x: tf.Tensor, k: Optional[int], training: bool, s
 def forward_rounds(head: ShardedHead, xs: Sequence[tf.Tensor], k: Optional[int], training: bool,
                    seeds: Sequence[Optional[tf.Tensor]],
                    rounds: Optional[Sequence[int]] = None,
-                   sample: Optional[SampledRows] = None) -> List[tf.Tensor]:
+                   sample: Optional[SampledRows] = None,
+                   join_rows: bool = False) -> List[tf.Tensor]:
     """`forward` of several rounds' rows, layer by layer: each round's compute on its own
     (xs[i] under the name scope f"fc_round{rounds[i]}" when rounds are given), one
     collective per layer for all of them. With a `sample` (the class layer's
     sampled_rows) the logits are of its classes only: [rows, S]. `k` None: every shard joined on this
-    device, no collective, unpadded logits (inference only; all shards in this process)."""
+    device, no collective, unpadded logits (inference only; all shards in this process).
+
+    `join_rows` (the rounds of one FC update): each round's first product on its own, as it
+    may start when the round's rows arrive; then all rounds' rows as one, dropout seeded by
+    seeds[0]: one list of logits of every row, and a graph that holds each later op once,
+    not once per round (K x K per step: the first step's wait grew with it)."""
     joined = k is None
     if joined and (training or sample is not None):
         raise ValueError("the joined forward pass is inference only")
@@ -50,6 +56,8 @@ def forward_rounds(head: ShardedHead, xs: Sequence[tf.Tensor], k: Optional[int],
             zs = layer.joined_rounds(xs, rounds)
         else:
             zs = layer.forward_shard_rounds(xs, k, rounds)
+            if join_rows and i == 0:
+                zs, seeds, rounds = _rows_joined(zs, seeds)
             if layer.split == ROW:
                 zs = exchange(head, coll.all_reduce_sum, zs)
         # A ROW layer's output is whole and identical on every replica: same mask for all.
@@ -62,7 +70,13 @@ def forward_rounds(head: ShardedHead, xs: Sequence[tf.Tensor], k: Optional[int],
         xs = hs
     if joined:
         return layers[-1].joined_rounds(xs, rounds)
-    return layers[-1].forward_shard_rounds(xs, k, rounds, sample)
+    logits = layers[-1].forward_shard_rounds(xs, k, rounds, sample)
+    return _rows_joined(logits, seeds)[0] if join_rows else logits
+
+
+def _rows_joined(zs: Sequence[tf.Tensor], seeds: Sequence[Optional[tf.Tensor]]):
+    """(the rounds' rows as one [z], the first round's seed for all, no round names)."""
+    return [tf.concat(list(zs), 0) if len(zs) > 1 else zs[0]], list(seeds[:1]), None
 
 
 def outputs(head: ShardedHead, logits: tf.Tensor) -> tf.Tensor:
