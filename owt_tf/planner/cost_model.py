@@ -11,7 +11,8 @@ nothing fitted per scheme or per K.
   or logical devices in one memory) all K workers' bytes cross one link one after another;
   on a switched fabric (NVSwitch) every worker has its own;
 * overlap: in owt-b and owt-c the exchange of round r+1's activations runs while round r's
-  FC layers compute (a two-stage pipeline); everything else is serial, as in the engine.
+  FC layers compute (a two-stage pipeline; with one FC update per step only the first FC
+  layer's product runs per round); everything else is serial, as in the engine.
 
 Also here: the hardware presets (datasheet figures; the K20's sustained FLOP/s from the
 paper's 1-GPU row, priced with this model; `cpu` measured on this machine by
@@ -147,6 +148,12 @@ def _memory_seconds(net: NetworkCost, examples: int, bandwidth: float, value_byt
     return ELEMENTWISE_PASSES * value_bytes * net.elementwise_floats * examples / bandwidth
 
 
+def _first_fc_flops(net: NetworkCost) -> int:
+    """Forward FLOPs per example of the first FC layer (a step's share of it per worker: 1/K
+    of the layer on K*B rows, as much as all of it on B)."""
+    return next(l.flops for l in net.layers if l.kind == "fc")
+
+
 def _update_seconds(params: float, bandwidth: float) -> float:
     return SGD_BYTES_PER_PARAM * params / bandwidth
 
@@ -206,9 +213,14 @@ def predict(net: NetworkCost, hw: Hardware, scheme: str, k: int, batch_size: int
     compute = conv + fc + trunk_update + fc_update
     hidden = 0.0
     if rounds > 1:
-        # two-stage pipeline: exchange of round r+1 under the FC work of round r
+        # two-stage pipeline: exchange of round r+1 under the FC work of round r -- all of it
+        # with an FC update per round; with one per step only the first FC layer's forward
+        # product runs per round (the rounds' rows go on joined, owt_tf.parallel.schemes)
         a = seconds[ledger.ACTIVATIONS] / rounds
-        f = (fc + fc_update + seconds[ledger.FC_EXCHANGE] + seconds[ledger.LOGITS]) / rounds
+        if fc_updates > 1:
+            f = (fc + fc_update + seconds[ledger.FC_EXCHANGE] + seconds[ledger.LOGITS]) / rounds
+        else:
+            f = b * _first_fc_flops(net) / flops * share / rounds
         hidden = (rounds - 1) * min(a, f)
     return _result(scheme, k, b, b if fc_updates > 1 else per_round_fc * rounds, fc_exchange, loss,
                    compute, comm, hidden, nbytes, baseline, fc_batch if rounds > 1 else "global",
