@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 from fractions import Fraction
 from typing import Iterator, List, Optional, Tuple
 
@@ -214,26 +213,9 @@ class Cut:
     kind: str  # GATHER (backward: reduce-scatter along `axis`) or SUM (backward: all-reduce)
     axis: int
     purpose: str
-    group: int  # cuts issued in one `independent_cuts` block share it (else each its own)
 
 
 _deferring: list = []  # (tape, cuts) of each open deferred_backward block
-_groups = itertools.count()
-_open_group: list = []  # the group of the open independent_cuts block, if any
-
-
-@contextlib.contextmanager
-def independent_cuts() -> Iterator[None]:
-    """Marks the cuts issued inside the block as independent of one another (one per round
-    of a layer: no round's collective feeds another's), so that the backward pass can take
-    all their gradients in one differentiation instead of one each: at K rounds per layer
-    that is what keeps the traced step from growing as K^2 per replica (scheme (c) at K=16
-    with per-round collectives traced 470,000 ops)."""
-    _open_group.append(next(_groups))
-    try:
-        yield
-    finally:
-        _open_group.pop()
 
 
 @contextlib.contextmanager
@@ -261,8 +243,7 @@ def _deferring_for(x: tf.Tensor) -> bool:
 def _defer(local: tf.Tensor, received: tf.Tensor, kind: str, axis: int, purpose: str) -> tf.Tensor:
     tape, cuts = _deferring[-1]
     tape.watch(received)
-    group = _open_group[-1] if _open_group else next(_groups)
-    cuts.append(Cut(local, received, kind, axis, purpose, group))
+    cuts.append(Cut(local, received, kind, axis, purpose))
     return received
 
 

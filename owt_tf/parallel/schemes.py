@@ -30,7 +30,7 @@ from owt_tf.parallel.head.sampling import SampledColumns
 from owt_tf.planner.plan import StepRounds
 from owt_tf.parallel.head.forward import forward_rounds
 from owt_tf.parallel.head.layout import ShardedHead
-from owt_tf.parallel.head.loss import loss_terms_rounds, sample_columns
+from owt_tf.parallel.head.loss import loss_terms, sample_columns
 
 Backward = Callable[[List[tf.Tensor]], tf.Tensor]
 
@@ -112,15 +112,18 @@ FcUpdate = Callable[[List[tf.Tensor], Optional[SampledColumns]], None]
 
 @dataclasses.dataclass
 class _Forward:
-    """The FC forward pass of one or more rounds, kept for its backward."""
+    """The FC forward pass of one FC update (one or more rounds' rows), kept for its
+    backward."""
 
     tape: tf.GradientTape
     inputs: List[tf.Tensor]  # per round: its FC input rows (watched)
-    losses: List[tf.Tensor]  # per round: this replica's copy of its loss, weighted
-    terms: List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]  # per round: ce, right, outputs
+    loss: tf.Tensor  # this replica's copy of the update's loss, weighted
+    ce: tf.Tensor  # per row of every round, in order: its loss (times its weight, if any)
+    right: tf.Tensor  # per row: classified right
+    outputs: object  # the model's outputs for the rows (Keras metrics)
+    labels: tf.Tensor  # the rows' labels
     cuts: List[coll.Cut]  # collectives whose backward is deferred (empty: none deferred)
     sampled: Optional[SampledRows]  # the update's class sample and its rows (Partial FC)
-    labels: List[tf.Tensor]  # per entry of `terms`: its rows' labels
 
     def sources(self, shard_vars: List[tf.Variable]) -> List:
         """What the FC update differentiates: the shard's variables, the class layer's
@@ -138,62 +141,54 @@ class _Forward:
 def _forward(rounds: StepRounds, head: ShardedHead, round_ids: Optional[Sequence[int]],
              inputs: List[tf.Tensor], labels: List[tf.Tensor], shard: int, training: bool,
              seed: Optional[tf.Tensor], defer: bool, loss_scale: Optional[tf.Tensor],
-             weights: Optional[Sequence[tf.Tensor]] = None, seeds_given: bool = False) -> _Forward:
-    """The FC forward pass of rounds `round_ids` (each seeded by `seed` folded with its
-    round), or of one round whose own seed is `seed` (`seeds_given`, round_ids None)."""
-    if seeds_given:
-        seeds = [seed]
-    else:
-        seeds = [None if seed is None else tf.random.experimental.stateless_fold_in(seed, r)
-                 for r in round_ids]
+             weights: Optional[Sequence[tf.Tensor]] = None) -> _Forward:
+    """The FC forward pass of one FC update: rounds `round_ids`' rows (named by them, None:
+    one round's), dropout masks and class sample drawn from `seed`. One loss of all rows:
+    the mean of the rounds' means (they have as many rows each)."""
     # Model parallel: each of the K replicas holds a copy of the same loss, and the
     # exchange's gradient sums the copies. Data parallel: own rows / (B*K), and the
     # gradient all-reduce sums the K parts. Either way each replica weighs its loss by 1/K.
     loss_weight = 1.0 / rounds.num_replicas
     if loss_scale is not None:  # fp16: gradients scaled up out of float16's underflow
         loss_weight = loss_weight * loss_scale
-    # Several rounds (one update's): their rows joined after the first product, one loss of
-    # all rows, the mean of the rounds' means (they have as many rows each).
-    join = len(inputs) > 1
+    y = _joined(labels)
     with tf.GradientTape(persistent=defer) as tape:
         for x in inputs:
             tape.watch(x)
         with coll.deferred_backward(tape) if defer else contextlib.nullcontext([]) as cuts:
-            sample = _class_sample(head, labels, shard, training, seeds)
+            sample = _class_sample(head, labels, shard, training, seed)
             sampled = None if sample is None else head.layers[-1].sampled_rows(shard, sample)
-            logits = forward_rounds(head, inputs, shard, training, seeds, round_ids, sampled, join)
-            if join:
-                labels, weights = _joined(labels), None if weights is None else _joined(weights)
-            terms = loss_terms_rounds(head, logits, labels, shard, None if join else round_ids, sample)
+            logits = forward_rounds(head, inputs, shard, training, seed, round_ids, sampled)
+            ce, right, outputs = loss_terms(head, logits, y, shard, sample)
         if weights is not None:  # Keras' weighted reduction: sum(loss x weight) / rows
-            terms = [(ce * w, right, out) for (ce, right, out), w in zip(terms, weights)]
-        losses = [tf.reduce_mean(ce) * loss_weight for ce, _, _ in terms]
-    return _Forward(tape, inputs, losses, terms, cuts, sampled, labels)
+            ce = ce * _joined(weights)
+        loss = tf.reduce_mean(ce) * loss_weight
+    return _Forward(tape, inputs, loss, ce, right, outputs, y, cuts, sampled)
 
 
-def _joined(ts: Sequence[tf.Tensor]) -> List[tf.Tensor]:
-    return [tf.concat(list(ts), 0)]
+def _joined(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    return ts[0] if len(ts) == 1 else tf.concat(list(ts), 0)
 
 
 def _class_sample(head: ShardedHead, labels: Sequence[tf.Tensor], shard: int, training: bool,
-                  seeds: Sequence[Optional[tf.Tensor]]) -> Optional[SampledColumns]:
-    """This FC update's class sample (Partial FC), drawn from the labels before the forward
-    pass, seeded by its first round's seed: an update of several rounds (fc_batch='global')
-    samples once for all of them, and each round of fc_batch='worker' (an update of its own)
-    samples anew. None: no sampling."""
+                  seed: Optional[tf.Tensor]) -> Optional[SampledColumns]:
+    """This FC update's class sample (Partial FC), drawn from the labels of all its rounds
+    before the forward pass: an update of several rounds (fc_batch='global') samples once
+    for all of them, and each round of fc_batch='worker' (an update of its own) samples
+    anew. None: no sampling."""
     if not training or head.sample_rate >= 1.0:
         return None
-    if seeds[0] is None:
+    if seed is None:
         raise ValueError("sample_rate < 1 needs the step's seed (train_step(seed=...))")
-    return sample_columns(head, labels, shard, seeds[0])
+    return sample_columns(head, labels, shard, seed)
 
 
 def _gradients(fwd: _Forward, sources: List[tf.Tensor],
                cut_grads: List[Optional[tf.Tensor]],
                unconnected=tf.UnconnectedGradients.NONE) -> List[Optional[tf.Tensor]]:
-    """d (sum of the losses) / d sources, the deferred cuts' gradients fed in at their
-    `local` end; a source the losses do not read gets None (or zeros: `unconnected`)."""
-    targets, upstream = list(fwd.losses), [tf.ones_like(l) for l in fwd.losses]
+    """d loss / d sources, the deferred cuts' gradients fed in at their `local` end; a
+    source the loss does not read gets None (or zeros: `unconnected`)."""
+    targets, upstream = [fwd.loss], [tf.ones_like(fwd.loss)]
     for cut, g in zip(fwd.cuts, cut_grads):
         if g is not None:
             targets.append(cut.local)
@@ -203,30 +198,16 @@ def _gradients(fwd: _Forward, sources: List[tf.Tensor],
 
 
 def _deferred_backward(fwd: _Forward, sources: List) -> List[tf.Tensor]:
-    """[d losses / d inputs of each round] + the shard's variable gradients (summed over
-    rounds), each deferred collective's backward issued once, last cut first: the same
-    order on every replica. Independent cuts (one group: a layer's rounds) take their
-    gradients in one differentiation."""
+    """[d loss / d inputs of each round] + the shard's variable gradients, each deferred
+    collective's backward issued once, last cut first: the same order on every replica."""
     cut_grads: List[Optional[tf.Tensor]] = [None] * len(fwd.cuts)
     with tf.name_scope("fc_backward"):
-        for group in reversed(_cut_groups(fwd.cuts)):
-            received = _gradients(fwd, [fwd.cuts[j].received for j in group], cut_grads)
-            for j, grad in reversed(list(zip(group, received))):
-                if grad is not None:  # else the losses do not depend on it: nothing to send
-                    cut_grads[j] = coll.backward_of_cut(fwd.cuts[j], grad)
+        for j in reversed(range(len(fwd.cuts))):
+            (grad,) = _gradients(fwd, [fwd.cuts[j].received], cut_grads)
+            if grad is not None:  # else the loss does not depend on it: nothing to send
+                cut_grads[j] = coll.backward_of_cut(fwd.cuts[j], grad)
     # A cosine class layer never reads its (zero) bias: its gradient is zero, not None.
     return _gradients(fwd, fwd.inputs + sources, cut_grads, tf.UnconnectedGradients.ZERO)
-
-
-def _cut_groups(cuts: Sequence[coll.Cut]) -> List[List[int]]:
-    """Indices of consecutive cuts of one group, in program order."""
-    groups: List[List[int]] = []
-    for j, cut in enumerate(cuts):
-        if groups and cuts[groups[-1][-1]].group == cut.group:
-            groups[-1].append(j)
-        else:
-            groups.append([j])
-    return groups
 
 
 def _round_function(rounds: StepRounds, head: ShardedHead, shard: int, training: bool,
@@ -247,15 +228,14 @@ def _round_function(rounds: StepRounds, head: ShardedHead, shard: int, training:
     @tf.function(autograph=False, experimental_attributes={"_noinline": True})
     def one_round(x, y, round_seed, w):
         fwd = _forward(rounds, head, None, [x], [y], shard, training, round_seed, False,
-                       loss_scale, None if w is None else [w], seeds_given=True)
-        grads = fwd.tape.gradient(fwd.losses[0], [x] + fwd.sources(shard_vars),
+                       loss_scale, None if w is None else [w])
+        grads = fwd.tape.gradient(fwd.loss, [x] + fwd.sources(shard_vars),
                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
         update = unscaled(grads[1:], loss_scale)
         apply_fc_update(update, fwd.sample)
         rows = () if fwd.sample is None else (fwd.sample.ids, fwd.sample.valid)
-        ce, right, outputs = fwd.terms[0]
         return _RoundOut(grads[0] / rounds.num_rounds, update, finite_flags(update),
-                         tf.reduce_sum(ce), tf.reduce_sum(tf.cast(right, tf.int32)), outputs, rows)
+                         tf.reduce_sum(fwd.ce), _count_true(fwd.right), fwd.outputs, rows)
 
     return one_round
 
@@ -270,6 +250,10 @@ class _RoundOut(NamedTuple):
     correct: tf.Tensor
     outputs: object
     rows: tuple  # the class sample's (ids, valid), or ()
+
+
+def _count_true(flags: tf.Tensor) -> tf.Tensor:
+    return tf.reduce_sum(tf.cast(flags, tf.int32))
 
 
 def finite_flags(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -295,11 +279,11 @@ def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_l
 
     `apply_fc_update(grads)` is called with this shard's FC gradients once per FC update:
     after every round when fc_batch='worker', else once with the average over rounds.
-    With one update per step the rounds go through the FC layers together, layer by layer:
-    each round's compute on its own rows, then one collective for all rounds' rows, forward
-    and backward (_deferred_backward): K times fewer launches than round after round, the
-    same bytes and the same numbers. With fc_batch='worker', round r+1 needs round r's
-    update, so the rounds run one after the other.
+    With one update per step each round's first FC product runs on its own rows as they
+    arrive, then all rounds' rows go through the rest together (forward_rounds), one
+    collective per layer forward and backward (_deferred_backward): K times fewer launches
+    and ops than round after round, the same bytes. With fc_batch='worker', round r+1
+    needs round r's update, so the rounds run one after the other.
 
     `weights`: per round, a weight for each of its rows (round_weights); each per-example
     loss is multiplied by its row's weight before the mean (and in `loss_sum`).
@@ -323,17 +307,15 @@ def run_fc_rounds(rounds: StepRounds, head: ShardedHead, a_local: tf.Tensor, y_l
         outputs = [o.outputs for o in outs]
         count = int(inputs[0].shape[0]) * rounds.num_rounds
     else:
-        fwd = _forward(rounds, head, range(rounds.num_rounds), inputs, labels, shard, training, seed, True,
-                       loss_scale, weights)
-        # the loss is already the mean over the rounds' rows
+        # one update of every round's rows, seeded as round 0 (the loss: their mean)
+        fwd = _forward(rounds, head, range(rounds.num_rounds), inputs, labels, shard, training,
+                       _round_seeds(seed, 1)[0], True, loss_scale, weights)
         grads = _deferred_backward(fwd, fwd.sources(shard_vars))
         input_grads = grads[:rounds.num_rounds]
         averaged = unscaled(grads[rounds.num_rounds:], loss_scale)
         apply_fc_update(averaged, fwd.sample)
         applied, samples, finite = [averaged], [fwd.sample], [finite_flags(averaged)]
-        loss_sum = tf.add_n([tf.reduce_sum(ce) for ce, _, _ in fwd.terms])
-        correct = tf.add_n([tf.reduce_sum(tf.cast(right, tf.int32)) for _, right, _ in fwd.terms])
-        outputs, labels = [out for _, _, out in fwd.terms], fwd.labels
-        count = sum(int(ce.shape[0]) for ce, _, _ in fwd.terms)
+        loss_sum, correct = tf.reduce_sum(fwd.ce), _count_true(fwd.right)
+        outputs, labels, count = [fwd.outputs], [fwd.labels], int(fwd.ce.shape[0])
     return RoundsResult(exchange_backward(input_grads), applied, loss_sum, correct, count,
                         outputs, labels, samples, finite)

@@ -75,15 +75,6 @@ def all_to_all_keys_collide(k: int) -> bool:
     return len(keys) < k * k
 
 
-def joins_rounds(k: int) -> bool:
-    """Whether a gather (and its backward reduce-scatter) may carry several rounds' rows in
-    one launch with the same numbers: a gather copies, and the all-to-all sums each element
-    over the replicas in replica order, whatever else travels with it. An all-reduce (and
-    the reduce-scatter of all_to_all_keys_collide) sums in an order that depends on where the
-    element falls in the tensor: joined, its rounding changes, so those stay per round."""
-    return not all_to_all_keys_collide(k)
-
-
 class TrafficLedger:
     """Bytes one worker sends per step, by purpose and by collective op."""
 

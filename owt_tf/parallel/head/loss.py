@@ -1,4 +1,4 @@
-"""The head's loss on the rounds' logits: gathered (the logits all-gathered, the loss
+"""The head's loss on an FC update's logits: gathered (the logits all-gathered, the loss
 computed whole) or on the shards (the softmax normalizer and the target logit summed across
 shards, never a [rows, classes] tensor), the Partial FC sample of an update, and the top
 candidates the metrics and `predict(top_k=)` read.
@@ -7,7 +7,6 @@ Which loss and where: the head's HeadLoss (owt_tf.parallel.head.layout).
 """
 from __future__ import annotations
 
-import functools
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -19,13 +18,13 @@ from owt_tf.planner import ledger
 from owt_tf.parallel.head import sampling
 from owt_tf.parallel.head.forward import exchange, gather, outputs
 from owt_tf.parallel.head.layout import ShardedHead
-from owt_tf.parallel.head.rounds import per_round
 from owt_tf.parallel.head.metrics import (LOWEST, ShardedLoss, TopCandidates, best_of,
                                           shard_top_candidates, unpack_gathered)
 
 
-def loss_terms(head: ShardedHead, logits_shard: tf.Tensor, labels: tf.Tensor,
-               k: int) -> Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]:
+def loss_terms(head: ShardedHead, logits_shard: tf.Tensor, labels: tf.Tensor, k: int,
+               sample: Optional[sampling.SampledColumns] = None
+               ) -> Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]:
     """Per-example loss, top-1 correctness and the model's outputs for rows whose labels
     are `labels`; under the sharded loss, instead of the outputs, the top
     `candidates_k` classes of every shard (TopCandidates), or None.
@@ -34,28 +33,16 @@ def loss_terms(head: ShardedHead, logits_shard: tf.Tensor, labels: tf.Tensor,
     compiled loss), else sparse softmax cross-entropy on the logits. 'gathered'
     all-gathers the logits; 'sharded' never does: the softmax normalizer and the target
     logit are summed across shards, the max (which only stabilizes) is gathered without
-    gradient, since ReduceOp has no MAX.
+    gradient, since ReduceOp has no MAX. `sample`: the update's sampled columns
+    (sample_columns), which the logits were computed for: the softmax covers its classes.
+    Without it, every class.
     """
-    return loss_terms_rounds(head, [logits_shard], [labels], k)[0]
-
-
-def loss_terms_rounds(head: ShardedHead, logits_shards: Sequence[tf.Tensor], labels: Sequence[tf.Tensor],
-                      k: int, rounds: Optional[Sequence[int]] = None,
-                      sample: Optional[sampling.SampledColumns] = None
-                      ) -> List[Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]]:
-    """`loss_terms` of several rounds (named as in forward_rounds), each collective once
-    for all of them. `sample`: the update's sampled columns (sample_columns), which the
-    logits were computed for: the softmax covers its classes. Without it, every class."""
-    per_round_ = functools.partial(per_round, rounds=rounds)
     if head.loss.mode == "sharded" and (head.num_shards > 1 or sample is not None):
-        return _sharded_cross_entropy(head, logits_shards, labels, k, per_round_, sample)
-    logits_all = list(logits_shards)
-    if head.num_shards > 1:
-        logits_all = gather(head, logits_all, ledger.LOGITS)
-    return per_round_(lambda logits, r: _round_loss_terms(head, logits, labels[r]), logits_all)
+        return _sharded_cross_entropy(head, logits_shard, labels, k, sample)
+    return _whole_loss_terms(head, gather(head, logits_shard, ledger.LOGITS), labels)
 
 
-def _round_loss_terms(head, logits: tf.Tensor, labels: tf.Tensor):
+def _whole_loss_terms(head, logits: tf.Tensor, labels: tf.Tensor):
     logits = tf.cast(logits[:, : head.spec.num_classes], tf.float32)
     out = outputs(head, logits)
     if head.loss.per_example is not None:
@@ -79,89 +66,78 @@ def sample_columns(head: ShardedHead, labels: Sequence[tf.Tensor], k: int,
                                  head.sample_rate, sparse, update_seed)
 
 
-def _top_gathered(head, logits_shards, k: int, per_round, top: int, sample=None):
-    """Every shard's `top` best logits of each round's rows (ids too when candidates are
-    wanted), all-gathered: per round, (values [n, K*top], ids [n, K*top] or None). The
-    best value is the max that stabilizes the softmax (ReduceOp has no MAX)."""
+def _top_gathered(head, logits_shard, k: int, top: int, sample=None):
+    """Every shard's `top` best logits of the rows (ids too when candidates are wanted),
+    all-gathered: (values [n, K*top], ids [n, K*top] or None). The best value is the max
+    that stabilizes the softmax (ReduceOp has no MAX)."""
     first, _ = head.class_range(k)
     with_ids = head.loss.candidates_k > 0
-
-    def local_top(logits, r):
-        packed = sampling.top_candidates(logits, sample, first, head.spec.num_classes, top)
-        return packed if with_ids else packed[:, :top]
-
-    gathered = gather(head, per_round(local_top, logits_shards), ledger.LOGITS)
+    packed = sampling.top_candidates(logits_shard, sample, first, head.spec.num_classes, top)
+    gathered = gather(head, packed if with_ids else packed[:, :top], ledger.LOGITS)
     if with_ids:
-        return [unpack_gathered(g, head.num_shards, top) for g in gathered]
-    return [(g, None) for g in gathered]
+        return unpack_gathered(gathered, head.num_shards, top)
+    return gathered, None
 
 
-def _sharded_cross_entropy(head, logits_shards, labels, k, per_round, sample=None):
+def _sharded_cross_entropy(head, logits, labels, k, sample=None):
     # float32 from here: sums of exponentials need its precision; what travels is
-    # [n, 2 or 3] per round, and [n, 2 * candidates] for the metrics, not [n, classes].
+    # [n, 2 or 3], and [n, 2 * candidates] for the metrics, not [n, classes].
     # Under a sample the logits are its columns; its padding entries are out of the
     # softmax as padding classes are.
-    logits_shards = [tf.cast(l, tf.float32) for l in logits_shards]
+    logits = tf.cast(logits, tf.float32)
     width = head.shard_width()
     first, valid = head.class_range(k)
     if sample is not None:
         valid = sample.valid
     loss = head.loss.sharded or ShardedLoss()
     margin = loss.margin
-    cosines = logits_shards
+    cosines = logits
     if margin is not None:
         # A cosine class layer's shards: s * cos (clamped as the margin loss clamps) is what
         # the candidates are ranked by and the softmax is shifted by; the margin goes on the
-        # label's column, on the one shard that holds it (local_terms).
-        logits_shards = [margin.scale * tf.clip_by_value(c, -1.0, 1.0) for c in cosines]
-    top = min(max(head.loss.candidates_k, 1), logits_shards[0].shape[1])
-    tops = _top_gathered(head, logits_shards, k, per_round, top, sample)
-    global_max = [tf.reduce_max(values, axis=1) for values, _ in tops]
+        # label's column, on the one shard that holds it (below).
+        logits = margin.scale * tf.clip_by_value(cosines, -1.0, 1.0)
+    top = min(max(head.loss.candidates_k, 1), logits.shape[1])
+    tops = _top_gathered(head, logits, k, top, sample)
+    global_max = tf.reduce_max(tops[0], axis=1)
 
-    def local_terms(logits, r):
-        if loss.sparse:
-            # Keras takes class ids as [n] or [n, 1], of any number type
-            local_label = tf.reshape(tf.cast(labels[r], tf.int32), [-1]) - first
-            mine = (local_label >= 0) & (local_label < width)
-            column = sampling.label_positions(local_label, sample, width)
-            unmargined = tf.gather(logits, column, batch_dims=1)
-            if margin is not None:
-                logits = margin.logits(cosines[r], tf.where(mine, column, -1))
-        shifted = tf.where(valid[None, :], logits - global_max[r][:, None], -np.inf)
-        sums = [tf.reduce_sum(tf.exp(shifted), axis=1)]
-        if loss.sparse:
-            picked = tf.gather(logits, column, batch_dims=1)
-            sums.append(tf.where(mine, picked, tf.zeros_like(picked)))
-            if margin is not None:  # the label's own score, for top-1 correctness
-                sums.append(tf.where(mine, unmargined, tf.zeros_like(unmargined)))
-        else:
-            present = tf.where(valid[None, :], logits, 0.0)
-            columns = sampling.sampled_label_columns(
-                _label_columns(head, labels[r], first, width), sample)
-            sums.append(tf.reduce_sum(columns * present, 1))
-            if loss.label_smoothing:
-                sums.append(tf.reduce_sum(present, axis=1))
-        return tf.stack(sums, axis=1)
+    if loss.sparse:
+        # Keras takes class ids as [n] or [n, 1], of any number type
+        local_label = tf.reshape(tf.cast(labels, tf.int32), [-1]) - first
+        mine = (local_label >= 0) & (local_label < width)
+        column = sampling.label_positions(local_label, sample, width)
+        unmargined = tf.gather(logits, column, batch_dims=1)
+        if margin is not None:
+            logits = margin.logits(cosines, tf.where(mine, column, -1))
+    shifted = tf.where(valid[None, :], logits - global_max[:, None], -np.inf)
+    sums = [tf.reduce_sum(tf.exp(shifted), axis=1)]
+    if loss.sparse:
+        picked = tf.gather(logits, column, batch_dims=1)
+        sums.append(tf.where(mine, picked, tf.zeros_like(picked)))
+        if margin is not None:  # the label's own score, for top-1 correctness
+            sums.append(tf.where(mine, unmargined, tf.zeros_like(unmargined)))
+    else:
+        present = tf.where(valid[None, :], logits, 0.0)
+        columns = sampling.sampled_label_columns(_label_columns(head, labels, first, width), sample)
+        sums.append(tf.reduce_sum(columns * present, 1))
+        if loss.label_smoothing:
+            sums.append(tf.reduce_sum(present, axis=1))
 
     # Normalizer and label terms in one all-reduce: separate ones would all be ready at
     # once in the backward pass, in an order that can differ between replicas.
-    terms = exchange(head, coll.all_reduce_sum, per_round(local_terms, logits_shards), ledger.LOGITS)
-
-    def cross_entropy(t, r):
-        log_norm = tf.math.log(t[:, 0]) + global_max[r]
-        if loss.sparse:
-            score = t[:, 2] if margin is not None else t[:, 1]
-            return log_norm - t[:, 1], score >= global_max[r], _candidates(head, tops[r], t, r, global_max)
-        # -sum_c y_c log softmax_c = log_norm * sum(y) - sum(y * logits), y smoothed as
-        # Keras smooths it: y (1 - s) + s / classes.
-        y = tf.cast(labels[r], tf.float32)
-        s = loss.label_smoothing
-        label_sum = tf.reduce_sum(y, axis=1) * (1 - s) + s
-        label_logits = t[:, 1] * (1 - s) + (t[:, 2] * s / head.spec.num_classes if s else 0.0)
-        return (log_norm * label_sum - label_logits, t[:, 1] >= global_max[r],
-                _candidates(head, tops[r], t, r, global_max))
-
-    return per_round(cross_entropy, terms)
+    t = exchange(head, coll.all_reduce_sum, tf.stack(sums, axis=1), ledger.LOGITS)
+    log_norm = tf.math.log(t[:, 0]) + global_max
+    candidates = _candidates(head, tops, t, global_max)
+    if loss.sparse:
+        score = t[:, 2] if margin is not None else t[:, 1]
+        return log_norm - t[:, 1], score >= global_max, candidates
+    # -sum_c y_c log softmax_c = log_norm * sum(y) - sum(y * logits), y smoothed as
+    # Keras smooths it: y (1 - s) + s / classes.
+    y = tf.cast(labels, tf.float32)
+    s = loss.label_smoothing
+    label_sum = tf.reduce_sum(y, axis=1) * (1 - s) + s
+    label_logits = t[:, 1] * (1 - s) + (t[:, 2] * s / head.spec.num_classes if s else 0.0)
+    return log_norm * label_sum - label_logits, t[:, 1] >= global_max, candidates
 
 
 def _label_columns(head, labels: tf.Tensor, first: int, width: int) -> tf.Tensor:
@@ -171,13 +147,13 @@ def _label_columns(head, labels: tf.Tensor, first: int, width: int) -> tf.Tensor
     return tf.pad(labels, [[0, 0], [0, pad]])[:, first:first + width]
 
 
-def _candidates(head, top, terms, r, global_max) -> Optional[TopCandidates]:
-    """The round's candidates, scored as the model's outputs: a softmax's from the
+def _candidates(head, top, terms, global_max) -> Optional[TopCandidates]:
+    """The rows' candidates, scored as the model's outputs: a softmax's from the
     normalizer already summed for the loss."""
     values, ids = top
     if ids is None:
         return None
-    return TopCandidates(_scores(head, values, global_max[r], terms[:, 0]), ids)
+    return TopCandidates(_scores(head, values, global_max, terms[:, 0]), ids)
 
 
 def _scores(head, values: tf.Tensor, global_max: tf.Tensor, sum_exp: tf.Tensor) -> tf.Tensor:
@@ -200,12 +176,12 @@ def top_k_outputs(head: ShardedHead, logits_shard: tf.Tensor, k: int, top_k: int
     top = min(top_k, logits.shape[1])
     first, valid = head.class_range(k)
     packed = shard_top_candidates(logits, first, head.spec.num_classes, top)
-    values, ids = unpack_gathered(gather(head, [packed], ledger.LOGITS)[0], head.num_shards, top)
+    values, ids = unpack_gathered(gather(head, packed, ledger.LOGITS), head.num_shards, top)
     global_max = tf.reduce_max(values, axis=1)
     sum_exp = None
     if head.spec.output_activation == "softmax":
         shifted = tf.where(valid[None, :], logits - global_max[:, None], -np.inf)
-        sum_exp = exchange(head, coll.all_reduce_sum, [tf.reduce_sum(tf.exp(shifted), 1)],
-                                 ledger.LOGITS)[0]
+        sum_exp = exchange(head, coll.all_reduce_sum, tf.reduce_sum(tf.exp(shifted), 1),
+                           ledger.LOGITS)
     best = best_of(TopCandidates(values, ids), top_k)
     return TopCandidates(_scores(head, best.scores, global_max, sum_exp), best.ids)

@@ -20,15 +20,6 @@ def per_round(fn: Callable[[tf.Tensor, int], object], ts: Sequence[tf.Tensor],
     return out
 
 
-def on_joined_rows(op: Callable[[tf.Tensor], tf.Tensor], ts: Sequence[tf.Tensor]) -> List[tf.Tensor]:
-    """op on the rows of every tensor in `ts` joined, cut back into their rows: one
-    collective for several rounds (op must act on each row on its own)."""
-    if len(ts) == 1:
-        return [op(ts[0])]
-    joined = op(tf.concat(list(ts), axis=0))
-    return tf.split(joined, [int(t.shape[0]) for t in ts], axis=0)
-
-
 def rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
                    rounds: Optional[Sequence[int]], transposed: bool = False) -> List[tf.Tensor]:
     """[x @ kernel for x in xs] (`transposed`: kernel is [out, in], x @ kernel^T), each
