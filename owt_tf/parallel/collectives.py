@@ -281,11 +281,12 @@ def rider_columns(labels: tf.Tensor) -> int:
 
 def unpack_riders(packed: tf.Tensor, like: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """(x, labels) from rows packed by pack_riders; `like`: this replica's own labels."""
-    d = int(packed.shape[1]) - rider_columns(like)
-    columns = packed[:, d:]
+    riders = rider_columns(like)
+    # one Split, not slices: it runs once per round on every replica (K x K per step)
+    x, columns = tf.split(packed, [int(packed.shape[1]) - riders, riders], axis=1)
     if like.dtype == tf.int32:
-        return packed[:, :d], tf.cast(columns[:, 0], tf.int32)
-    return packed[:, :d], tf.reshape(columns, [-1] + like.shape.as_list()[1:])
+        return x, tf.cast(tf.reshape(columns, [-1]), tf.int32)
+    return x, tf.reshape(columns, [-1] + like.shape.as_list()[1:])
 
 
 def _drop_riders(dy: tf.Tensor, riders: int) -> tf.Tensor:
