@@ -7,7 +7,7 @@ joined on one device.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import keras
 import tensorflow as tf

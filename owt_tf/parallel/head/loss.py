@@ -7,7 +7,7 @@ Which loss and where: the head's HeadLoss (owt_tf.parallel.head.layout).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
