@@ -22,7 +22,8 @@ from owt_tf.data.datasets import load_dataset
 from owt_tf.data.prepared import read_manifest
 from owt_tf.data.prepared import writer as prepare_writer
 from owt_tf.data.prepared.writer import PrepareSettings, prepare
-from owt_tf.data.preprocess import decode_train_crop, eval_preprocess, train_draws
+from owt_tf.data.preprocess import (DeviceBatch, decode_train_crop, eval_preprocess, finish_images,
+                                     train_draws)
 from owt_tf.training.evaluation import (evaluate_probabilities, evaluate_ten_crop_batches,
                                         ten_crops, upscale_for_ten_crop)
 
@@ -309,6 +310,19 @@ def test_training_batches_are_random_224_crops_and_flips_of_the_stored_images(pr
         def off(ref):
             return np.abs((got - got.mean((0, 1))) - (ref - ref.mean((0, 1)))).mean()
         assert (off(mirror) < off(plain)) == bool(draws[row].flip.numpy())
+
+
+def test_the_cli_finishes_the_same_input_on_the_device(prepared):
+    """What `train` reads (on_device: uint8 crops and each row's draws, finished by the
+    step on its device) is, finished, exactly what the pipeline's own finishing gives."""
+    data = load_dataset(f"prepared:{prepared}", (224, 224, 3))
+    images, labels, positions, _ = next(iter(data.train_rows(8, seed=3)))
+    raw, raw_labels, raw_positions, _ = next(iter(data.train_rows(8, seed=3, on_device=True)))
+    assert isinstance(raw, DeviceBatch) and raw.crops.dtype == tf.uint8
+    assert raw.crops.shape == (8, 224, 224, 3) and bool(tf.reduce_any(raw.flips))
+    np.testing.assert_array_equal(finish_images(raw, data.mean, data.std).numpy(), images.numpy())
+    np.testing.assert_array_equal(raw_labels.numpy(), labels.numpy())
+    np.testing.assert_array_equal(raw_positions.numpy(), positions.numpy())
 
 
 def test_a_resumed_stream_continues_the_uninterrupted_one(prepared):

@@ -19,13 +19,14 @@ repeats another example of its batch.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from owt_tf.data import DatasetError
-from owt_tf.data.preprocess import (TrainDraws, augment_train_batch, decode_train_crop,
+from owt_tf.data.preprocess import (DeviceBatch, TrainDraws, decode_train_crop, finish_images,
                                      eval_pixels, eval_preprocess, normalize, train_draws)
 
 STATS_SAMPLE = 1000  # training images behind a dataset's own mean and spread
@@ -102,7 +103,8 @@ class StreamDataset:
         return rows.map(lambda images, labels, positions, failed: (images, labels, positions))
 
     def train_rows(self, global_batch: int, seed: int, start: int = 0,
-                   rows: Optional[Tuple[int, int]] = None) -> tf.data.Dataset:
+                   rows: Optional[Tuple[int, int]] = None,
+                   on_device: bool = False) -> tf.data.Dataset:
         """Rows first ... first+count-1 (`rows`, default all) of each endless augmented
         global batch as (images, labels, positions, failed), from stream position `start`
         on. Only those rows' records are read and decoded (a record that does not decode is
@@ -110,7 +112,9 @@ class StreamDataset:
         `failed` counts the candidates that failed before each row's image (`global_batch`:
         none of the global batch decoded, the row is zeros). Each example decodes only its
         crop window (JPEG) and is resized to the input size as uint8; flip, lighting and
-        normalisation run once per batch."""
+        normalisation run once per batch, here, or (`on_device`, what the CLI reads) in the
+        step on its device: the images are then DeviceBatch(uint8 crops, flips, lighting),
+        which preprocess.finish_images turns into the same float32 input."""
         if self.num_train < global_batch:
             raise DatasetError(f"{self.name}: {self.num_train} training images is fewer than "
                                f"one global batch of {global_batch}")
@@ -131,8 +135,8 @@ class StreamDataset:
         # One element per global batch (its rows assembled), in order, batches in parallel.
         ds = batches.interleave(own_rows, cycle_length=tf.data.AUTOTUNE, block_length=1,
                                 num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        return ds.map(self._augment_batch, num_parallel_calls=tf.data.AUTOTUNE,
-                      deterministic=True).prefetch(2)
+        finish = functools.partial(self._augment_batch, on_device=on_device)
+        return ds.map(finish, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
 
     def _own_rows(self, first, count, positions, records, draws,
                   global_batch: int) -> tf.data.Dataset:
@@ -223,12 +227,14 @@ class StreamDataset:
         crop = tf.ensure_shape(crop, self.image_shape)
         return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
 
-    def _augment_batch(self, crops, labels, positions, flips, lighting, failed):
+    def _augment_batch(self, crops, labels, positions, flips, lighting, failed, on_device=False):
         if self.augment == "none":
             return normalize(crops, self.mean, self.std), labels, positions, failed
         if self.augment == "crop":  # the same draws, the flip and lighting left out
             flips, lighting = tf.zeros_like(flips), tf.zeros_like(lighting)
-        images = augment_train_batch(crops, flips, lighting, self.mean, self.std)
+        images = DeviceBatch(crops, flips, lighting)
+        if not on_device:
+            images = finish_images(images, self.mean, self.std)
         return images, labels, positions, failed
 
     def _decode(self, record, label):

@@ -333,7 +333,7 @@ def run_input_bench(args) -> List[InputRecord]:
         data = load_dataset(args.input, (side, side, 3), data_dir=args.data_dir)
         if not isinstance(data, StreamDataset):
             raise DatasetError(f"{args.input!r} is held in memory; time folder:PATH or tfds:NAME")
-        training = data.train(global_batch, seed=0)
+        training = data.train_rows(global_batch, seed=0, on_device=True)  # what `train` reads
     except DatasetError as err:
         raise ConfigError("--input", str(err)) from None
     # Only the shape leaves the map, so the batches are as cheap to move as the training ones.

@@ -6,7 +6,8 @@ Each round times `--steps` batches of each pipeline from a fresh iterator after 
 untimed ones (as `--input folder:PATH`, owt_tf.experiments.bench); five rounds, and the
 median round's images/s of each is reported, with the ratio of the medians. The training
 pipeline is the one `python -m owt_tf.train --dataset prepared:DIR` reads: global batches
-of B x max K augmented crops (random crop, flip, lighting, normalisation), at
+of B x max K random crops, as uint8 with each row's flip and lighting draws (the step does
+flip, lighting and normalisation on its device: preprocess.DeviceBatch), at
 `--image-size` or the model's input. The bare decode reads the originals' records in
 training order, decodes each whole JPEG (`tf.io.decode_jpeg`, nothing else) in a parallel
 map and keeps only its shape; an original that does not decode as a JPEG is passed over.
@@ -49,7 +50,8 @@ def _pipelines(args, side: int, global_batch: int):
         prepared = load_dataset(args.input, (side, side, 3))
         originals = load_dataset(prepared.manifest["source"], (side, side, 3),
                                  data_dir=args.data_dir)
-        training = prepared.train(global_batch, seed=0)
+        # what `train` reads: uint8 crops and their draws, finished on the step's device
+        training = prepared.train_rows(global_batch, seed=0, on_device=True)
     except DatasetError as err:
         raise ConfigError("--input", str(err)) from None
 

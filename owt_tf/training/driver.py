@@ -8,7 +8,7 @@ replicas return, and keeps the ledger of the bytes a traced step moves.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -41,17 +41,21 @@ class StepDriver:
 
     def train_step(self, model: DistributedModel, optim, images, labels,
                    seed: Optional[tf.Tensor] = None, with_grads: bool = False,
-                   loss_scale: Optional[tf.Tensor] = None) -> Dict[str, tf.Tensor]:
+                   loss_scale: Optional[tf.Tensor] = None,
+                   finish_images: Optional[Callable] = None) -> Dict[str, tf.Tensor]:
         """One optimizer step on a distributed batch. Returns loss, error and (optionally) grads.
 
         `seed` (int32 [2]) seeds dropout; it must differ per step. `loss_scale` (fp16): the
         factor gradients are taken at (owt_tf.parallel.precision.DynamicLossScale). Traffic
-        is counted into `self.ledger` while the step is traced.
+        is counted into `self.ledger` while the step is traced. `finish_images`: what each
+        replica does to its images first, on its device (a streamed dataset's
+        preprocess.finish_images: uint8 crops and their draws -> the float32 input).
         """
         self.ledger = ledger.TrafficLedger()
         with ledger.recording(self.ledger):
             step = functools.partial(self._replica_train_step, model, optim, seed=seed,
-                                     with_grads=with_grads, loss_scale=loss_scale)
+                                     with_grads=with_grads, loss_scale=loss_scale,
+                                     finish_images=finish_images)
             out = self.placement.run(step, images, labels)
         return self._merge_replica_outputs(out)
 
@@ -119,8 +123,11 @@ class StepDriver:
         embeddings = l2_normalize(tf.cast(features, tf.float32), axis=-1)
         return coll.all_gather(embeddings, 0, ledger.ACTIVATIONS)
 
-    def _replica_train_step(self, model, optim, images, labels, seed, with_grads, loss_scale):
+    def _replica_train_step(self, model, optim, images, labels, seed, with_grads, loss_scale,
+                            finish_images=None):
         trunk_vars = model.trunk.trainable_variables
+        if finish_images is not None:
+            images = finish_images(images)
 
         step = replica_train_step(self.rounds, model.head, model.trunk_runner.forward(True),
                                   trunk_vars, images, labels, seed, optim.trunk.apply,

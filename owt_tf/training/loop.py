@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from owt_tf.config import ConfigError, RunConfig, new_run_dir
 from owt_tf.data.datasets import load_dataset
+from owt_tf.data.preprocess import finish_images
 from owt_tf.data.stats import settle_normalisation
 from owt_tf.runtime.devices import DeviceError, setup_devices
 from owt_tf.planner.plan import AUTO, PlanError
@@ -166,10 +167,11 @@ class Trainer:
                                  lambda: self.checkpoints.latest)
 
     def _train_input(self, start: int):
-        """This process's replicas' rows of the global batches from stream position `start`."""
+        """This process's replicas' rows of the global batches from stream position `start`
+        (a streamed dataset's as uint8 crops and draws: finished on each device, _finish_images)."""
         batch, seed = self.config.global_batch_size, self.config.run.seed
         return self._own_input(
-            lambda rows: self.dataset.train_rows(batch, seed, start, rows=rows),
+            lambda rows: self.dataset.train_rows(batch, seed, start, rows=rows, on_device=True),
             lambda: self.dataset.train(batch, seed, start=start))
 
     def _validation_input(self):
@@ -184,13 +186,10 @@ class Trainer:
 
     def _state_variables(self) -> List[tf.Variable]:
         """Every variable a step changes except the step counter: weights and optimizer state."""
-        model, optim = self.model, self.optimizer
-        variables = list(model.trunk.variables) + optim.state_variables()
-        for k in model.head.local_shards:
-            variables += model.head.shard_variables(k)
-        return variables
+        head = self.model.head
+        return (list(self.model.trunk.variables) + self.optimizer.state_variables()
+                + [v for k in head.local_shards for v in head.shard_variables(k)])
 
-    # -- compiled bodies ------------------------------------------------------------------
     def _traced(self, body: Callable) -> Callable:
         """`body`, noting the custom gradients its trace registers; released after the
         trace, when the call that traced it returns (no other trace is under way then)."""
@@ -204,14 +203,17 @@ class Trainer:
         out = self.driver.train_step(self.model, self.optimizer, images, labels,
                                      step_seed(self.config.run.seed, self.step),
                                      with_grads=with_grads,
-                                     loss_scale=None if self.loss_scale is None else self.loss_scale.scale)
+                                     loss_scale=None if self.loss_scale is None else self.loss_scale.scale,
+                                     finish_images=self._finish_images)
         self.step.assign_add(1)
         return out
+
+    def _finish_images(self, images):  # on a replica's device (a streamed batch: DeviceBatch)
+        return finish_images(images, self.dataset.mean, self.dataset.std)
 
     def _eval_step(self, images, labels):
         return self.driver.eval_step(self.model, images, labels)
 
-    # -- public ---------------------------------------------------------------------------
     def train_step(self, with_grads: bool = False) -> StepMetrics:
         """Runs one step on the next global batch (with whole-model gradients if asked)."""
         start = time.perf_counter()
