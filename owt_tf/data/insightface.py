@@ -403,8 +403,10 @@ class InsightFaceDataset(StreamDataset):
         crop = tf.ensure_shape(tf.cast(tf.round(pixels), tf.uint8), self.image_shape)
         return crop, label, position, draws.flip, draws.lighting
 
-    def _augment_batch(self, crops, labels, positions, flips, lighting, failed):
+    def _augment_batch(self, crops, labels, positions, flips, lighting, failed, on_device=False):
         if self.augment != "flip":
-            return super()._augment_batch(crops, labels, positions, flips, lighting, failed)
+            return super()._augment_batch(crops, labels, positions, flips, lighting, failed,
+                                          on_device)
+        # a flip and a normalisation: finished here, on_device or not (little float work)
         mirrored = tf.where(flips[:, None, None, None], tf.reverse(crops, axis=[2]), crops)
         return normalize(mirrored, self.mean, self.std), labels, positions, failed
