@@ -94,7 +94,7 @@ class RunDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _describe(_read_holder(fd))
+            holder = _describe(_recorded_holder(fd))
             os.close(fd)
             raise RunDirBusy(f"--logdir {logdir} is being written by another run ({holder}); "
                              "wait for it to end or use another --logdir") from None
@@ -157,6 +157,18 @@ def _read_holder(fd: int) -> Dict[str, object]:
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError):
         return {}
+
+
+def _recorded_holder(fd: int, wait: float = 2.0) -> Dict[str, object]:
+    """The holder's record; a run that has just taken the lock writes it a moment after,
+    so an empty one is read again for up to `wait` seconds (else the refusal cannot say
+    who holds the logdir)."""
+    deadline = time.monotonic() + wait
+    holder = _read_holder(fd)
+    while not holder and time.monotonic() < deadline:
+        time.sleep(0.02)
+        holder = _read_holder(fd)
+    return holder
 
 
 def _describe(holder: Dict[str, object]) -> str:
