@@ -13,6 +13,7 @@ from owt_tf.parallel import collectives as coll
 
 from owt_tf.planner import ledger
 from owt_tf.parallel.head.sampling import SampledColumns
+from owt_tf.parallel.schemes import finite_flags
 from owt_tf.fit.compiling import GradientClip, KerasShardOptimizer, apply_summed
 
 
@@ -122,6 +123,6 @@ class StepUpdates:
 
 def _finite_everywhere(grads: List[tf.Tensor]) -> tf.Tensor:
     """True on every replica iff every replica's `grads` are finite (the shards' differ)."""
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+    finite = tf.reduce_all(finite_flags(grads))
     bad = coll.all_reduce_sum(tf.cast(tf.logical_not(finite), tf.float32), ledger.FC_GRAD)
     return tf.equal(bad, 0.0)
