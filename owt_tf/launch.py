@@ -131,12 +131,14 @@ class Workers:
     def first_failure(self) -> Optional[int]:
         """Index of a worker that failed, if any. A worker that stopped for a signal after
         saving (exit 128 + SIGINT/SIGTERM) did not fail: the workers agree on the step to
-        stop at, so the others are saving the same checkpoint and end by themselves."""
-        for i, proc in enumerate(self.procs):
-            code = proc.poll()
-            if code is not None and code not in (0, *SAVED_AND_STOPPED):
-                return i
-        return None
+        stop at, so the others are saving the same checkpoint and end by themselves. Of
+        several failed workers, one killed by a signal is the cause: the others exited on
+        their own after finding it gone (within one poll, when its collectives abort)."""
+        failed = [(i, proc.poll()) for i, proc in enumerate(self.procs)]
+        failed = [(i, code) for i, code in failed
+                  if code is not None and code not in (0, *SAVED_AND_STOPPED)]
+        killed = [i for i, code in failed if code < 0]
+        return killed[0] if killed else (failed[0][0] if failed else None)
 
     def all_done(self) -> bool:
         return all(proc.poll() is not None for proc in self.procs)
@@ -188,7 +190,8 @@ def run(workers: int, devices_per_worker: int, train_flags: Sequence[str], grace
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not procs.all_done():
+        while True:
+            done = procs.all_done()  # read first: one ending after it is seen next poll
             failed = procs.first_failure()
             if failed is not None and not received:
                 code = procs.procs[failed].returncode
@@ -198,6 +201,8 @@ def run(workers: int, devices_per_worker: int, train_flags: Sequence[str], grace
                 procs.say("run stopped; run the same command again to resume from the last "
                           "checkpoint")
                 return 128 - code if code < 0 else code
+            if done:
+                break
             time.sleep(0.05)
         codes = [proc.returncode for proc in procs.procs]
         for i, code in enumerate(codes):

@@ -1,5 +1,6 @@
 """Cluster resolution (TF_CONFIG, --cluster/--task-index) and the launcher's pure parts."""
 import json
+import os
 
 import pytest
 from tensorflow.python.distribute import multi_worker_util
@@ -73,6 +74,26 @@ def test_launcher_flags_and_addresses():
     addresses = [f"127.0.0.1:{p}" for p in ports]
     parsed = parse_tf_config(launch.tf_config(addresses, 3))
     assert parsed.worker_id == 3 and parsed.task_name_of(3) == "/job:worker/task:3"
+
+
+def test_launcher_names_the_killed_worker_when_both_ended_in_one_poll():
+    """A worker killed by a signal is the cause; the one that exited on finding it gone
+    (code 5) is not, even when it comes first and both ended before the launcher looked."""
+    import io
+    import sys
+    import time
+
+    killed = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    commands = [[sys.executable, "-c", "raise SystemExit(5)"], [sys.executable, "-c", killed]]
+    workers = launch.Workers(commands, [dict(os.environ)] * 2, out=io.StringIO())
+    try:
+        deadline = time.monotonic() + 60
+        while not workers.all_done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [p.returncode for p in workers.procs] == [5, -9]
+        assert workers.first_failure() == 1
+    finally:
+        workers.stop(grace=1)
 
 
 def test_launch_refuses_scheme_auto_before_starting_workers():
