@@ -123,7 +123,8 @@ def test_big_head_rejects_a_sample_rate_outside_zero_to_one():
 def test_first_step_and_keras_step_benchmarks_write_their_records(tmp_path):
     """`--first-step` times each K's first step in a fresh process (the graph of K=4 larger
     than K=2's: more replicas); `--keras-step` runs the CLI's step, parallelize(...).fit and
-    MirroredStrategy fit, each in its own process, and prints their ratios."""
+    MirroredStrategy fit, and the trunk alone under it, each in its own process, and prints
+    their ratios."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     first = tmp_path / "first.json"
     proc = subprocess.run(
@@ -143,6 +144,7 @@ def test_first_step_and_keras_step_benchmarks_write_their_records(tmp_path):
         capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(keras_out.read_text())
-    assert [r["runner"] for r in records] == ["cli", "keras", "mirrored"]
+    assert [r["runner"] for r in records] == ["cli", "keras", "mirrored", "trunk"]
     assert all(r["step_time_s"] > 0 and r["global_batch"] == 16 for r in records)
     assert "/ MirroredStrategy fit" in proc.stdout and "/ the CLI's step" in proc.stdout
+    assert "the conv trunk alone" in proc.stdout

@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "input width (a face model's embedding: 128 or 512)")
     p.add_argument("--keras-step", action="store_true",
                    help="one model's step three ways, each in a fresh process: the CLI's, "
-                        "owt_tf.parallelize(model).fit and MirroredStrategy fit (the first "
-                        "of --schemes and --devices)")
+                        "owt_tf.parallelize(model).fit and MirroredStrategy fit, and its "
+                        "conv trunk alone (the floor) (the first of --schemes and --devices)")
     p.add_argument("--first-step", action="store_true",
                    help="time the first step (trace, compile, step) of --schemes at each K in "
                         "--devices, each in a fresh process (--fc-batch applies to owt-b/c)")

@@ -1,7 +1,10 @@
 """`python -m owt_tf.bench --keras-step`: one model's training step three ways, each in a
 fresh process, one after the other: the CLI's step (owt_tf.training.driver, as
 `python -m owt_tf.train` runs it), `owt_tf.parallelize(model).fit`, and plain Keras `fit`
-under tf.distribute.MirroredStrategy, same K logical devices, same global batch.
+under tf.distribute.MirroredStrategy, same K logical devices, same global batch. A fourth
+runner times the floor: the conv trunk alone under MirroredStrategy (a one-unit Dense on
+it, so no FC work). The trunk is data parallel in every scheme, the same work each time, so
+no way of running the head brings a step below it.
 
 The Keras model is the registry model's own network as one `keras.Sequential` (its conv
 trunk, the head's Dense layers with ReLU and dropout, the class layer); SGD with momentum
@@ -19,7 +22,7 @@ import sys
 import time
 from typing import List, Optional
 
-RUNNERS = ("cli", "keras", "mirrored")
+RUNNERS = ("cli", "keras", "mirrored", "trunk")
 
 
 @dataclasses.dataclass
@@ -47,6 +50,16 @@ def spec_as_keras(spec):
             layers.append(keras.layers.Dropout(spec.head.hidden_dropout(i)))
     layers.append(keras.layers.Dense(spec.head.num_classes, name="classes"))
     return keras.Sequential(layers, name=spec.name)
+
+
+def trunk_as_keras(spec):
+    """The spec's conv trunk with a one-unit Dense on it: the step's work without the head."""
+    import keras
+
+    trunk = spec.build_trunk()
+    return keras.Sequential([keras.Input(spec.input_shape)] + list(trunk.layers)
+                            + [keras.layers.Flatten(), keras.layers.Dense(1, name="floor")],
+                            name=f"{spec.name}_trunk")
 
 
 def _data(spec, rows: int):
@@ -121,10 +134,16 @@ def run_runner(runner: str, model_name: str, scheme: str, k: int, batch: int, cl
             strategy = owt_tf.HybridStrategy(devices, scheme)
             with strategy.scope():
                 model = compiled(owt_tf.parallelize(spec_as_keras(spec), seed=0))
-        else:
+        elif runner == "mirrored":
             strategy = tf.distribute.MirroredStrategy(devices)
             with strategy.scope():
                 model = compiled(spec_as_keras(spec))
+        else:
+            strategy = tf.distribute.MirroredStrategy(devices)
+            with strategy.scope():
+                model = trunk_as_keras(spec)
+                model.compile(optimizer=keras.optimizers.SGD(0.001, momentum=0.9), loss="mse")
+            y = y.astype("float32")
         times = _keras_times(model, x, y, global_batch)
     timed = times[warmup:]
     return KerasStepRecord(runner, model_name, scheme, k, global_batch,
@@ -160,6 +179,10 @@ def format_table(records: List[KerasStepRecord]) -> str:
     if "keras" in by and "mirrored" in by:
         lines.append(f"parallelize(model).fit / MirroredStrategy fit: "
                      f"{by['keras'].step_time_s / by['mirrored'].step_time_s:.2f}x")
+    if "trunk" in by and "mirrored" in by:
+        lines.append(f"the conv trunk alone under MirroredStrategy / its whole step: "
+                     f"{by['trunk'].step_time_s / by['mirrored'].step_time_s:.2f}x "
+                     f"(the floor: no head scheme goes below it)")
     return "\n".join(lines)
 
 

@@ -109,8 +109,13 @@ class ShardSGD(tf.Module):
         variables, slots = self._vars[shard], self.slots_by_shard[shard]
         dense = len(variables) - (2 if sample is not None else 0)
         for v, m, g in zip(variables[:dense], slots[:dense], grads[:dense]):
-            m.assign(self.momentum * m - lr * (g + self.weight_decay * v))
-            v.assign_add(m)
+            if self.weight_decay:
+                g = g + self.weight_decay * v
+            # TensorFlow's fused kernel (m <- momentum m - lr g; w <- w + m): one pass over
+            # the shard where assign ops take four (the update is memory-bound).
+            tf.raw_ops.ResourceApplyKerasMomentum(
+                var=v.handle, accum=m.handle, lr=tf.cast(lr, v.dtype), grad=tf.cast(g, v.dtype),
+                momentum=tf.cast(self.momentum, v.dtype), use_nesterov=False)
         if sample is not None:  # the class layer: its sampled rows only
             sampled_sgd(variables[dense:], slots[dense:], grads[dense:], sample, lr,
                         self.momentum, weight_decay=self.weight_decay, decoupled_decay=False)
