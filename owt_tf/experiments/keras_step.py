@@ -58,7 +58,8 @@ def trunk_as_keras(spec):
 
     trunk = spec.build_trunk()
     return keras.Sequential([keras.Input(spec.input_shape)] + list(trunk.layers)
-                            + [keras.layers.Flatten(), keras.layers.Dense(1, name="floor")],
+                            + [keras.layers.Flatten(name="floor_flatten"),
+                               keras.layers.Dense(1, name="floor")],
                             name=f"{spec.name}_trunk")
 
 
