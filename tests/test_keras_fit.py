@@ -47,6 +47,33 @@ def test_fit_equals_plain_keras_fit(devices, k, scheme):
     assert got["accuracy"][0] == pytest.approx(want["accuracy"][0], abs=1e-7)
 
 
+@pytest.mark.parametrize("sgd", [dict(momentum=MOMENTUM, nesterov=True, weight_decay=0.01),
+                                 dict(momentum=0.0, weight_decay=0.01)],
+                         ids=["nesterov-decay", "plain-decay"])
+def test_shard_sgd_variants_update_as_plain_keras(devices, sgd):
+    """The shards' SGD (TensorFlow's fused momentum kernel for Keras' formula, Keras' own
+    step without momentum) and weight decay over a dataset: each weight's update equals
+    plain Keras fit's."""
+    x, y = random_data(BATCH * STEPS, seed=5)
+    reference = alexnet_like()
+    before = reference.get_weights()
+    strategy = owt_tf.HybridStrategy(devices=devices[:2], scheme="owt-b")
+    with strategy.scope():
+        parallel = owt_tf.parallelize(copy_of(reference), seed=0)
+        parallel.compile(optimizer=keras.optimizers.SGD(LR, **sgd),
+                         loss="sparse_categorical_crossentropy")
+    reference.compile(optimizer=keras.optimizers.SGD(LR, **sgd),
+                      loss="sparse_categorical_crossentropy")
+    reference.fit(dataset(x, y, BATCH), epochs=1, verbose=0)
+    parallel.fit(dataset(x, y, BATCH), epochs=1, verbose=0)
+    # A dataset's length is unknown to Keras here: its last call finds no batch, and must
+    # not decay or count a step.
+    assert (int(parallel.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+            == STEPS)
+    assert update_rel_diff(before, parallel.to_keras_model().get_weights(),
+                           reference.get_weights()) < 1e-4
+
+
 @pytest.mark.slow
 def test_single_dense_head_logits_and_numpy_input(devices):
     """A head of one Dense (classes sharded over 4), a from_logits loss object, numpy input."""

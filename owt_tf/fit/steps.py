@@ -64,11 +64,14 @@ class StepsMixin:
         scaler = self._loss_scaler()
         updates = StepUpdates(_inner(self.optimizer), trunk_vars, self._fc_optimizer, self._clip,
                            scaler)
-        step = replica_train_step(rounds, self.head, self._trunk_runner.forward(True),
-                                  trunk_vars, x, y, seed, updates.trunk, updates.fc,
-                                  None if scaler is None else scaler.dynamic_scale.value,
-                                  weights)
-        updates.finish(shard_index(rounds))
+        # Every update waits for the batch: weight decay and the optimizers' step counts
+        # depend on nothing else, and would run once more in the call that finds no batch.
+        with self._after_data(data):
+            step = replica_train_step(rounds, self.head, self._trunk_runner.forward(True),
+                                      trunk_vars, x, y, seed, updates.trunk, updates.fc,
+                                      None if scaler is None else scaler.dynamic_scale.value,
+                                      weights)
+            updates.finish(shard_index(rounds))
         result = step.rounds
         loss = result.loss_sum / result.count
         if step.trunk_loss is not None:
@@ -166,11 +169,12 @@ class StepsMixin:
 
     @staticmethod
     def _after_data(value):
-        """Orders the metric updates after `value`, which depends on the batch. Static batch
-        shapes make the counts constants, and Keras' last call of an epoch over a dataset of
-        unknown length fails in `get_next` while such updates, waiting on nothing, still run:
-        every metric then counted one batch too many."""
-        return tf.control_dependencies([value])
+        """Orders the state changes made in its context after `value` (tensors that depend
+        on the batch). Keras' last call of an epoch over a dataset of unknown length fails
+        in `get_next` while ops waiting on nothing still run: without it every metric
+        counted one batch too many (static batch shapes make the counts constants), and the
+        optimizers took one step more of weight decay and step count."""
+        return tf.control_dependencies(tf.nest.flatten(value))
 
     def _loss_metric(self):
         return next(m for m in self.metrics if m.name == "loss")
