@@ -47,7 +47,6 @@ def test_big_head_runs_both_trainers_in_fresh_processes(tmp_path):
     the shards, no logits gather) and plain Keras under MirroredStrategy each train in their
     own process, and the ratios are the quotients of their figures. Same model, weights and
     batches: the losses fit reports agree, so the owt process really trained."""
-    from owt_tf.parallel import collectives as coll
     from owt_tf.planner import ledger
 
     out = tmp_path / "big_head.json"

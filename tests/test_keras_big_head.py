@@ -12,7 +12,6 @@ import pytest
 
 import owt_tf
 from keras_models import conv_dense_net, copy_of, update_rel_diff
-from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
 from owt_tf.fit import model as keras_model
 from owt_tf.fit.compiling import CompileError

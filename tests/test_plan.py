@@ -12,7 +12,6 @@ import pytest
 
 from owt_tf.models.cost import network_cost
 from owt_tf.planner import cost_model
-from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
 
 PAPER_SPEEDUPS = {(2, "owt-a"): 1.95, (2, "owt-c"): 1.93, (4, "owt-a"): 3.74, (4, "owt-c"): 3.66,

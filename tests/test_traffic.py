@@ -4,7 +4,6 @@ from fractions import Fraction
 import pytest
 
 from owt_tf.models.cost import NetworkShape
-from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
 from owt_tf.planner import traffic
 
