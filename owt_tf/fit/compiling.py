@@ -19,7 +19,7 @@ from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
 from owt_tf.parallel.head.layout import ShardedHead
 from owt_tf.parallel.head.sampling import SampledColumns
-from owt_tf.parallel.head.sparse import SPARSE_OPTIMIZERS, sampled_sgd
+from owt_tf.parallel.head.sparse import SPARSE_OPTIMIZERS, momentum_step, sampled_sgd
 
 # Optimizers whose update of each weight depends only on that weight's own gradient and
 # state, so that updating a shard equals updating its part of the whole layer.
@@ -127,14 +127,8 @@ class KerasShardOptimizer:
         for i, (g, v) in enumerate(zip(grads[:dense], variables[:dense])):
             if self.weight_decay:
                 v.assign_sub(v * tf.cast(self.weight_decay * lr, v.dtype))
-            if type(clone) is keras.optimizers.SGD and clone.momentum:
-                # TensorFlow's fused kernel is Keras SGD's formula (m <- momentum m - lr g;
-                # w <- w + m, or w + momentum m - lr g with Nesterov) in one pass over the
-                # shard, where update_step's ops take four (the update is memory-bound).
-                tf.raw_ops.ResourceApplyKerasMomentum(
-                    var=v.handle, accum=clone.momentums[i].handle, lr=tf.cast(lr, v.dtype),
-                    grad=tf.cast(g, v.dtype), momentum=tf.cast(clone.momentum, v.dtype),
-                    use_nesterov=bool(clone.nesterov))
+            if type(clone) is keras.optimizers.SGD and clone.momentum:  # its rule, fused
+                momentum_step(v, clone.momentums[i], g, lr, clone.momentum, clone.nesterov)
             else:
                 clone.update_step(g, v, lr)
         if sample is not None:

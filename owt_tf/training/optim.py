@@ -26,7 +26,7 @@ import tensorflow as tf
 from owt_tf.parallel import collectives as coll
 
 from owt_tf.parallel.head.sampling import SampledColumns
-from owt_tf.parallel.head.sparse import sampled_sgd
+from owt_tf.parallel.head.sparse import momentum_step, sampled_sgd
 from owt_tf.planner import ledger
 
 
@@ -111,11 +111,7 @@ class ShardSGD(tf.Module):
         for v, m, g in zip(variables[:dense], slots[:dense], grads[:dense]):
             if self.weight_decay:
                 g = g + self.weight_decay * v
-            # TensorFlow's fused kernel (m <- momentum m - lr g; w <- w + m): one pass over
-            # the shard where assign ops take four (the update is memory-bound).
-            tf.raw_ops.ResourceApplyKerasMomentum(
-                var=v.handle, accum=m.handle, lr=tf.cast(lr, v.dtype), grad=tf.cast(g, v.dtype),
-                momentum=tf.cast(self.momentum, v.dtype), use_nesterov=False)
+            momentum_step(v, m, g, lr, self.momentum)
         if sample is not None:  # the class layer: its sampled rows only
             sampled_sgd(variables[dense:], slots[dense:], grads[dense:], sample, lr,
                         self.momentum, weight_decay=self.weight_decay, decoupled_decay=False)
