@@ -31,6 +31,7 @@ from owt_tf.planner.plan import StepRounds
 from owt_tf.parallel.head.forward import forward_rounds
 from owt_tf.parallel.head.layout import ShardedHead
 from owt_tf.parallel.head.loss import loss_terms, sample_columns
+from owt_tf.parallel.head.rounds import joined_rows
 
 Backward = Callable[[List[tf.Tensor]], tf.Tensor]
 
@@ -151,7 +152,7 @@ def _forward(rounds: StepRounds, head: ShardedHead, round_ids: Optional[Sequence
     loss_weight = 1.0 / rounds.num_replicas
     if loss_scale is not None:  # fp16: gradients scaled up out of float16's underflow
         loss_weight = loss_weight * loss_scale
-    y = _joined(labels)
+    y = joined_rows(labels)
     with tf.GradientTape(persistent=defer) as tape:
         for x in inputs:
             tape.watch(x)
@@ -161,13 +162,9 @@ def _forward(rounds: StepRounds, head: ShardedHead, round_ids: Optional[Sequence
             logits = forward_rounds(head, inputs, shard, training, seed, round_ids, sampled)
             ce, right, outputs = loss_terms(head, logits, y, shard, sample)
         if weights is not None:  # Keras' weighted reduction: sum(loss x weight) / rows
-            ce = ce * _joined(weights)
+            ce = ce * joined_rows(weights)
         loss = tf.reduce_mean(ce) * loss_weight
     return _Forward(tape, inputs, loss, ce, right, outputs, y, cuts, sampled)
-
-
-def _joined(ts: Sequence[tf.Tensor]) -> tf.Tensor:
-    return ts[0] if len(ts) == 1 else tf.concat(list(ts), 0)
 
 
 def _class_sample(head: ShardedHead, labels: Sequence[tf.Tensor], shard: int, training: bool,

@@ -16,6 +16,7 @@ from owt_tf.parallel import collectives as coll
 
 from owt_tf.planner import ledger
 from owt_tf.parallel.head.layout import COL, ROW, SampledRows, ShardedHead
+from owt_tf.parallel.head.rounds import joined_rows
 
 
 def forward(head: ShardedHead, x: tf.Tensor, k: Optional[int], training: bool, seed: Optional[tf.Tensor]) -> tf.Tensor:
@@ -67,7 +68,7 @@ def _product(layer, xs: Sequence[tf.Tensor], k: Optional[int], rounds: Optional[
         zs = layer.joined_rounds(xs, rounds)
     else:
         zs = layer.forward_shard_rounds(xs, k, rounds, sample)
-    return zs[0] if len(zs) == 1 else tf.concat(list(zs), 0)
+    return joined_rows(zs)
 
 
 def outputs(head: ShardedHead, logits: tf.Tensor) -> tf.Tensor:

@@ -20,6 +20,11 @@ def per_round(fn: Callable[[tf.Tensor, int], object], ts: Sequence[tf.Tensor],
     return out
 
 
+def joined_rows(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The rounds' rows as one tensor, in round order (one round: itself, no copy)."""
+    return ts[0] if len(ts) == 1 else tf.concat(list(ts), 0)
+
+
 def rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
                    rounds: Optional[Sequence[int]], transposed: bool = False) -> List[tf.Tensor]:
     """[x @ kernel for x in xs] (`transposed`: kernel is [out, in], x @ kernel^T), each
