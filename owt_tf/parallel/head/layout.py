@@ -54,6 +54,15 @@ def layer_splits(num_layers: int, fc_exchange: str) -> List[str]:
     raise ValueError(f"unknown fc_exchange {fc_exchange!r}")
 
 
+def variable_copies(variable: tf.Variable) -> Sequence[tf.Variable]:
+    """The plain variables that hold `variable`: each replica's copy of a mirrored one (the
+    unsplit layer of pure data parallelism), else the variable itself. A slice of a
+    MirroredVariable reads a tensor, which has no `assign`; its copies' slices assign."""
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return variable.values
+    return (variable,)
+
+
 def padded(n: int, k: int) -> int:
     return -(-n // k) * k
 
@@ -127,10 +136,12 @@ class ShardedDense(tf.Module):
         width = self.shard_columns()
         step = max(1, BLOCK_BYTES // (4 * self.in_dim))
         biases = []
+        copies = variable_copies(kernel)
         for lo in range(0, width, step):
             hi = min(width, lo + step)
             block, bias = self.shard_part(source, k, lo, hi)
-            (kernel[lo:hi] if self.class_major else kernel[:, lo:hi]).assign(block)
+            for copy in copies:
+                (copy[lo:hi] if self.class_major else copy[:, lo:hi]).assign(block)
             biases.append(bias)
             del block
         return np.concatenate(biases)
