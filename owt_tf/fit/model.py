@@ -288,12 +288,24 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
             _warn_if_large(data, self.head.spec.num_classes)
         self._fresh_function("predict_function", data)
         out = super().predict(self._fed(data, kwargs, "steps"), **kwargs)
+        if embeddings and not getattr(self, "_raw_features", False):
+            # the step returns the trunk's float32 outputs (`features`)
+            return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return tuple(out) if top_k else out
 
-    def embed(self, images) -> np.ndarray:
-        """L2-normalised embeddings of `images` (predict(images, embeddings=True)): what
-        owt_tf.callbacks.Verification reads."""
-        return self.predict(images, embeddings=True, verbose=0)
+    def features(self, images, batch_size=None) -> np.ndarray:
+        """The class layer's input for `images`, float32 and not normalised (a face model's
+        backbone outputs): what owt_tf.callbacks.Verification reads, as InsightFace's
+        verification sums an image's and its mirror's outputs before normalising."""
+        self._raw_features = True
+        try:
+            return self.predict(images, batch_size, embeddings=True, verbose=0)
+        finally:
+            self._raw_features = False
+
+    def embed(self, images, batch_size=None) -> np.ndarray:
+        """L2-normalised embeddings of `images` (predict(images, embeddings=True))."""
+        return self.predict(images, batch_size, embeddings=True, verbose=0)
 
     def _set_predict_top_k(self, top_k: Optional[int]) -> None:
         classes = self.head.spec.num_classes

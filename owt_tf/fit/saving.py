@@ -16,30 +16,41 @@ import tensorflow as tf
 from owt_tf.runtime.devices import outside_strategy_scope
 from owt_tf.fit import callbacks as keras_callbacks
 from owt_tf.fit import files as keras_files
-from owt_tf.layers import embedding_model, l2_normalize
+from owt_tf.layers import embedding_model
+from owt_tf.models.signatures import (EMBEDDINGS_SIGNATURE, EXPORT_SIGNATURE, class_outputs,
+                                      embedding_outputs, images_spec, keras_pixels)
 from owt_tf.parallel.head import state as head_state
 from owt_tf.parallel.head.layout import copy_shards_into
 
 
 def write_embedding_archive(embedding: keras.Model, path: str,
-                            plain: Optional[keras.Model] = None) -> None:
-    """A SavedModel (keras.export.ExportArchive) with `embeddings` (the L2-normalised output
-    of `embedding`, a face model's input to its class layer) and, given the whole `plain`
-    model, `serving_default` (its outputs); without it `serving_default` is the embedding
-    (TF Serving needs that name) and only the embedding's variables are kept."""
+                            plain: Optional[keras.Model] = None,
+                            logit_scale: float = 1.0) -> None:
+    """A SavedModel (keras.export.ExportArchive) under owt_tf's export contract
+    (owt_tf.models.signatures, the CLI's export's signatures): `embeddings` (the output of
+    `embedding`, a face model's input to its class layer: `features`, and `embeddings`
+    normalised) and, given the whole `plain` model, `serving_default` (its cosine class
+    layer's probabilities at `logit_scale`, top5, top5_names); without it `serving_default`
+    is the embedding (TF Serving needs that name) and only the embedding's variables are
+    kept. Both take `images`, uint8 at the model's input size, fed to it as pixel values."""
     model = plain if plain is not None else embedding
-    spec = tf.TensorSpec((None,) + tuple(model.inputs[0].shape[1:]), model.inputs[0].dtype,
-                         name="inputs")
+    height, width, channels = model.inputs[0].shape[1:]
+    spec = images_spec(channels, height, width)
     archive = keras.export.ExportArchive()
     archive.track(model)
 
-    def embed(x):
-        return l2_normalize(tf.cast(embedding(x, training=False), tf.float32))
+    def embed(images):
+        return embedding_outputs(embedding(keras_pixels(embedding, images), training=False))
 
     if plain is not None:
-        archive.add_endpoint("serving_default", lambda x: plain(x, training=False),
-                             input_signature=[spec])
-    archive.add_endpoint("embeddings", embed, input_signature=[spec])
+        names = [str(i) for i in range(plain.outputs[0].shape[-1])]
+
+        def serve(images):
+            return class_outputs(plain(keras_pixels(plain, images), training=False), names,
+                                 logit_scale)
+
+        archive.add_endpoint(EXPORT_SIGNATURE, serve, input_signature=[spec])
+    archive.add_endpoint(EMBEDDINGS_SIGNATURE, embed, input_signature=[spec])
     archive.write_out(path, verbose=False)
 
 
@@ -156,11 +167,14 @@ class SavingMixin:
     def export(self, filepath, format="tf_saved_model", *, embeddings_only: bool = False,
                **kwargs):
         """The plain one-device model exported by Keras (a SavedModel by default). A model
-        whose class layer is cosine (NormalizedDense) gets a second signature, `embeddings`:
-        the L2-normalised input of the class layer, from the same input as
-        `serving_default`. `embeddings_only`: that signature alone (also under the name
-        `serving_default`, which TF Serving needs), and the class layer left out of the file
-        (a face model is served by its embedding; a 10M-class head is GBs nobody serves)."""
+        whose class layer is cosine (NormalizedDense: a face model) is exported under
+        owt_tf's export contract, the signatures the CLI's export has
+        (owt_tf.models.signatures): `images` uint8 in (fed to the model as pixel values:
+        its normalisation is its own layers), `serving_default` the classes, `embeddings`
+        the class layer's input (`features`, and `embeddings` normalised).
+        `embeddings_only`: that signature alone (also under the name `serving_default`,
+        which TF Serving needs), and the class layer left out of the file (a face model is
+        served by its embedding; a 10M-class head is GBs nobody serves)."""
         if not self.head.spec.cosine:
             if embeddings_only:
                 raise ValueError("embeddings_only: the embedding is the input of a cosine "
@@ -176,8 +190,13 @@ class SavingMixin:
             else:
                 plain = self.to_keras_model()
                 write_embedding_archive(embedding_model(plain, plain.get_layer(
-                    self._dense_names[-1])), path, plain)
+                    self._dense_names[-1])), path, plain, self._logit_scale())
         return filepath
+
+    def _logit_scale(self) -> float:
+        """The compiled margin loss's scale s (its logits without the margin are s times the
+        cosines), 1 without one."""
+        return float(getattr(getattr(self, "loss", None), "scale", 1.0) or 1.0)
 
     def _plain_trunk(self) -> keras.Model:
         """The trunk (a cosine head's embedding) as a one-device model with these weights."""

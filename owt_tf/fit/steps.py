@@ -12,7 +12,7 @@ from owt_tf.fit.compiling import MEAN_REDUCTIONS, inner_optimizer as _inner, los
 from owt_tf.fit.data import DataError
 from owt_tf.fit.metrics import join_rounds, map_rows, metric_inputs
 from owt_tf.fit.updates import StepUpdates
-from owt_tf.layers import l2_normalize
+from owt_tf.models.signatures import embedding_outputs
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.head.forward import forward, outputs as head_outputs
 from owt_tf.parallel.head.loss import top_k_outputs
@@ -134,7 +134,7 @@ class StepsMixin:
             data[0] if isinstance(data, (tuple, list)) else data, None)
         if getattr(self, "_predict_embeddings", False):  # this replica's own rows, no shard
             features, _ = self._trunk_runner.forward(False)(x)
-            outputs = l2_normalize(tf.cast(features, tf.float32), axis=-1)
+            outputs = embedding_outputs(features)["features"]
             return outputs if valid is None else tf.boolean_mask(outputs, valid > 0)
         logits = replica_logit_shard(True, self.head, self._trunk_runner.forward(False), x)
         rows = self._static_rows(x)

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.layers import l2_normalize
+from owt_tf.models.signatures import embedding_outputs
 from owt_tf.parallel import collectives as coll
 
 from owt_tf.planner import ledger
@@ -110,18 +110,18 @@ class StepDriver:
         local = self.placement.strategy.experimental_local_results(out)
         return local[0] if self.plan.model_parallel else tf.concat(list(local), axis=0)
 
-    def embed_step(self, model: DistributedModel, images) -> tf.Tensor:
-        """L2-normalised embeddings [global batch, D] of a distributed batch, rows in global
-        order: each replica runs the trunk on its own rows (its output: the class layer's
-        input, when the head has no hidden layers); no FC shard is read. The rows are
-        all-gathered, so that every process of a cluster holds them all."""
-        out = self.placement.run(functools.partial(self._replica_embeddings, model), images)
+    def features_step(self, model: DistributedModel, images) -> tf.Tensor:
+        """The trunk's outputs [global batch, D] in float32 (a face model's `features`:
+        owt_tf.models.signatures.embedding_outputs), rows in global order: each replica runs the trunk
+        on its own rows (its output: the class layer's input, when the head has no hidden
+        layers); no FC shard is read. The rows are all-gathered, so that every process of a
+        cluster holds them all."""
+        out = self.placement.run(functools.partial(self._replica_features, model), images)
         return self.placement.strategy.experimental_local_results(out)[0]
 
-    def _replica_embeddings(self, model, images):
+    def _replica_features(self, model, images):
         features, _ = model.trunk_runner.forward(False)(images)
-        embeddings = l2_normalize(tf.cast(features, tf.float32), axis=-1)
-        return coll.all_gather(embeddings, 0, ledger.ACTIVATIONS)
+        return coll.all_gather(embedding_outputs(features)["features"], 0, ledger.ACTIVATIONS)
 
     def _replica_train_step(self, model, optim, images, labels, seed, with_grads, loss_scale,
                             finish_images=None):

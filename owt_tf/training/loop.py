@@ -155,9 +155,12 @@ class Trainer:
         self._eval_fn = tf.function(self._traced(self._eval_step))
         self._predict_fn = tf.function(self._traced(
             lambda images: self.driver.predict_step(self.model, images)))
-        self._embed_fn = tf.function(self._traced(
-            lambda images: self.driver.embed_step(self.model, images)))
+        self._features_fn = tf.function(self._traced(
+            lambda images: self.driver.features_step(self.model, images)))
         self._pair_sets = None  # the dataset's verification pairs, read when first needed
+        # Each pair set's highest accuracy in this process's validations (arcface_torch's
+        # "Accuracy-Highest"), by set name.
+        self.highest_verification: Dict[str, float] = {}
         # fp16 undoes every step whose scaled gradients overflowed, as does --skip-nonfinite.
         snapshot = (StepSnapshot(self._state_variables(), strategy)
                     if config.run.skip_nonfinite or self.loss_scale is not None else None)
@@ -269,13 +272,19 @@ class Trainer:
         """Logits of uint8 images [N, H, W, C] through the distributed model (eval mode)."""
         return self._by_global_batches(self._predict_fn, images)
 
-    def embed(self, images: np.ndarray) -> np.ndarray:
-        """L2-normalised embeddings of uint8 images [N, H, W, C]: the trunk's output (the
-        class layer's input), each replica embedding its own rows (eval mode)."""
+    def features(self, images: np.ndarray) -> np.ndarray:
+        """The trunk's float32 outputs for uint8 images [N, H, W, C] (the class layer's
+        input, not normalised: what InsightFace's verification flips and sums), each
+        replica running its own rows (eval mode)."""
         if self.spec.head.hidden:
             raise ValueError(f"model {self.spec.name}: the class layer's input is computed by "
                              "hidden FC layers on the shards; only a trunk's output embeds")
-        return self._by_global_batches(self._embed_fn, images)
+        return self._by_global_batches(self._features_fn, images)
+
+    def embed(self, images: np.ndarray) -> np.ndarray:
+        """L2-normalised embeddings of uint8 images [N, H, W, C] (`features`, normalised)."""
+        features = self.features(images)
+        return features / np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
 
     def _by_global_batches(self, fn, images: np.ndarray) -> np.ndarray:
         """`fn` of distributed global batches of `images`, eval-preprocessed (the last batch
@@ -296,13 +305,14 @@ class Trainer:
 
     def verify(self) -> Dict[str, object]:
         """VerificationResult by set name of the dataset's pair sets (faces, insightface's
-        *.bin), embedded by `embed`; none without pairs or without a trunk embedding."""
+        *.bin) under InsightFace's protocol on `features`; none without pairs or without a
+        trunk embedding."""
         if self.spec.head.hidden:
             return {}
         if self._pair_sets is None:
             self._pair_sets = dataset_pair_sets(self.dataset)
         batch = self.config.global_batch_size * max(1, 256 // self.config.global_batch_size)
-        return verify_sets(self.embed, self._pair_sets, batch)
+        return verify_sets(self.features, self._pair_sets, batch)
 
     def fit(self, steps: Optional[int] = None, log: Callable[[str], None] = print,
             progress: bool = True) -> Dict[str, float]:
@@ -409,7 +419,8 @@ class Trainer:
                 self.checkpoints.save(i)
             if config.run.eval_every and i % config.run.eval_every == 0 and i < steps:
                 ev, verified = self._validate(i, summaries, val_history)
-                pairs = f" | verification {verification_text(verified)}" if verified else ""
+                pairs = (f" | verification {verification_text(verified, self.highest_verification)}"
+                         if verified else "")
                 log(f"step {i}/{steps}: train loss {m.loss:.4f} | val loss {ev.loss:.4f} "
                     f"val top-1 error {ev.top1_error:.2%}{pairs} | {m.images_per_sec:.0f} img/s")
         return history
@@ -419,7 +430,10 @@ class Trainer:
         ev = self.evaluate()
         summaries.validation(step, ev.loss, ev.top1_error, ev.top5_error)
         verified = self.verify()
-        summaries.verification(step, verified)
+        for name, result in verified.items():
+            self.highest_verification[name] = max(result.accuracy,
+                                                  self.highest_verification.get(name, 0.0))
+        summaries.verification(step, verified, self.highest_verification)
         epochs = step * self.config.global_batch_size / self.dataset.num_train
         val_history.append([epochs, ev.top1_error])
         return ev, verified

@@ -1,13 +1,10 @@
 """The SavedModel a trained model is served as, and the export directory's layout.
 
 `export_saved_model` writes a DistributedModel as a single-device SavedModel (FC shards
-assembled into whole layers) whose `serving_default` takes `images`, uint8 [N, H, W, C],
-does the eval preprocessing inside, and returns `probabilities` [N, classes], `top5`
-[N, 5] int64 and `top5_names`. A model whose class layer is cosine (a face model) has a
-second signature, `embeddings`: the same `images` to `embeddings` [N, D], the
-L2-normalised trunk output (the class layer's input); `embeddings_only` leaves the class
-layer out, and `serving_default` is then the embeddings signature. It loads with plain `tf.saved_model.load`, without owt_tf,
-and in TF Serving, TFLite and ONNX. Versions follow TF Serving's model base path layout,
+assembled into whole layers) with the signatures of owt_tf.models.signatures (`images`
+uint8 in, the eval preprocessing inside; `serving_default`: probabilities, top5,
+top5_names; a face model's `embeddings`: embeddings and features). It loads with plain
+`tf.saved_model.load`, without owt_tf, and in TF Serving, TFLite and ONNX. Versions follow TF Serving's model base path layout,
 `BASE/<version>/`; a version is staged in a directory TF Serving ignores and renamed into
 place, so a crash never leaves half a model. `load_export` reads one back with the dataset
 named in its metadata (what `python -m owt_tf.evaluate --model` scores).
@@ -27,13 +24,12 @@ import tensorflow as tf
 from owt_tf.data.arrays import ArrayDataset
 from owt_tf.data.datasets import load_dataset
 from owt_tf.data.preprocess import eval_preprocess
-from owt_tf.layers import l2_normalize
+from owt_tf.models.signatures import (EMBEDDINGS_SIGNATURE, EXPORT_SIGNATURE, class_outputs,
+                                      embedding_outputs, images_spec)
 from owt_tf.parallel.head.forward import forward
 from owt_tf.parallel.head.layout import ShardedHead
 
 EXPORT_METADATA = "owt_tf_export.json"
-EXPORT_SIGNATURE = "serving_default"
-EMBEDDINGS_SIGNATURE = "embeddings"
 
 
 class ExportError(ValueError):
@@ -95,18 +91,18 @@ def build_serving_archive(model, mean: Sequence[float], std: Sequence[float],
                           "(owt_tf.layers.NormalizedDense): the model has no embedding")
     trunk = float32_clone(model.trunk)
     height, width, channels = spec.input_shape
-    images_spec = tf.TensorSpec([None, None, None, channels], tf.uint8, name="images")
+    images = images_spec(channels)
 
     def embed(images):
-        features = trunk(eval_preprocess(images, (height, width), mean, std), training=False)
-        return {"embeddings": l2_normalize(tf.cast(features, tf.float32), axis=-1)}
+        return embedding_outputs(trunk(eval_preprocess(images, (height, width), mean, std),
+                                       training=False))
 
     archive = keras.export.ExportArchive()
     archive.track(trunk)
     if spec.head.cosine:  # Keras names the first endpoint serving_default too, unless given
-        archive.add_endpoint(EMBEDDINGS_SIGNATURE, embed, input_signature=[images_spec])
+        archive.add_endpoint(EMBEDDINGS_SIGNATURE, embed, input_signature=[images])
     if not embeddings_only:
-        _add_classes(archive, model, trunk, (mean, std), class_names, images_spec, logit_scale)
+        _add_classes(archive, model, trunk, (mean, std), class_names, images, logit_scale)
     return archive
 
 
@@ -120,15 +116,11 @@ def _add_classes(archive, model, trunk, normalization, class_names, images_spec,
     names = list(class_names) if class_names else [str(i) for i in range(classes)]
     if len(names) != classes:
         raise ExportError(f"{len(names)} class names for {classes} classes")
-    label_names = tf.constant(names)
 
     def serve(images):
         x = eval_preprocess(images, (height, width), *normalization)
-        logits = forward(head, trunk(x, training=False), None, False, None)
-        probabilities = tf.nn.softmax(logit_scale * logits)
-        top5 = tf.math.top_k(probabilities, k=min(5, classes)).indices
-        return {"probabilities": probabilities, "top5": tf.cast(top5, tf.int64),
-                "top5_names": tf.gather(label_names, top5)}
+        return class_outputs(forward(head, trunk(x, training=False), None, False, None),
+                             names, logit_scale)
 
     archive.track(head)
     # The whole FC layers, [kernel0, bias0, kernel1, ...], for readers of the SavedModel.
@@ -216,28 +208,53 @@ def export_trainer(trainer, base: str, overwrite: bool = False, version: Optiona
 
 
 def load_embeddings(path: str) -> Tuple[Tuple[int, int], Callable[[np.ndarray], np.ndarray]]:
-    """An export's `embeddings` signature (a version directory, or a base path: its newest
-    version), read with plain `tf.saved_model.load` (no model code): the model's input size
-    (its metadata's; 112x112 without) and `embed(uint8 images) -> embeddings`."""
+    """Any SavedModel with an `embeddings` signature (an owt_tf export from either front
+    door, or another's; a version directory, or a base path: its newest version), read with
+    plain `tf.saved_model.load` (no model code): the model's input size and
+    `embed(uint8 images) -> the backbone's outputs` (the `features` output when there is
+    one, else `embeddings`, else the signature's only output). Images go in as the
+    signature's one input takes them (uint8, or their pixel values as floats). Anything
+    else is an ExportError naming the export and what it lacks."""
     path = latest_version(path)
     if not os.path.exists(os.path.join(path, "saved_model.pb")):
         raise ExportError(f"{path}: no SavedModel there (no saved_model.pb)")
     signatures = tf.saved_model.load(path).signatures
     if EMBEDDINGS_SIGNATURE not in signatures:
         raise ExportError(f"{path} has no '{EMBEDDINGS_SIGNATURE}' signature (only "
-                          f"{', '.join(signatures)}): export a model trained with --objective "
-                          "arcface or cosface")
-    size = (112, 112)
+                          f"{', '.join(signatures) or 'none'}): export a face model (one "
+                          "trained with --objective arcface or cosface, or whose class layer "
+                          "is owt_tf.layers.NormalizedDense)")
+    signature = signatures[EMBEDDINGS_SIGNATURE]
+    inputs = signature.structured_input_signature[1]
+    if len(inputs) != 1:
+        raise ExportError(f"{path}: its '{EMBEDDINGS_SIGNATURE}' signature takes "
+                          f"{len(inputs)} inputs ({', '.join(inputs)}); one, the images, "
+                          "is needed")
+    (name, spec), = inputs.items()
+    outputs = signature.structured_outputs
+    output = next((o for o in ("features", "embeddings") if o in outputs),
+                  next(iter(outputs)) if len(outputs) == 1 else None)
+    if output is None:
+        raise ExportError(f"{path}: its '{EMBEDDINGS_SIGNATURE}' signature returns "
+                          f"{', '.join(outputs)}; it needs 'features' or 'embeddings'")
+    size = _input_size(path, spec)
+
+    def embed(x):
+        return signature(**{name: tf.cast(tf.constant(x), spec.dtype)})[output].numpy()
+
+    return size, embed
+
+
+def _input_size(path: str, spec: tf.TensorSpec) -> Tuple[int, int]:
+    """An embeddings export's image size: its metadata's, its input's static size, else
+    InsightFace's 112x112."""
     meta_path = os.path.join(path, EXPORT_METADATA)
     if os.path.exists(meta_path):
         with open(meta_path) as f:
-            size = tuple(json.load(f)["input_shape"][:2])
-    signature = signatures[EMBEDDINGS_SIGNATURE]
-
-    def embed(x):
-        return signature(images=tf.constant(x))["embeddings"].numpy()
-
-    return size, embed
+            return tuple(json.load(f)["input_shape"][:2])
+    if spec.shape.rank == 4 and spec.shape[1] is not None and spec.shape[2] is not None:
+        return int(spec.shape[1]), int(spec.shape[2])
+    return 112, 112
 
 
 def load_export(path: str) -> Tuple[ArrayDataset, Tuple[int, int],

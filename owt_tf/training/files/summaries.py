@@ -23,10 +23,11 @@ BYTES_PER_STEP = "comm/bytes_per_step"
 SKIPPED_IMAGES = "data/skipped_images"  # training images that could not be decoded, in all
 SKIPPED_NONFINITE = "train/skipped_nonfinite"  # steps undone for a non-finite loss or gradient
 LOSS_SCALE = "train/loss_scale"  # --precision fp16: the dynamic loss scale
-# Face verification of the dataset's pairs (the mean over its pair sets; with several sets
-# each one's also under <tag>/<set name>).
+# Face verification of the dataset's pairs (the mean over its pair sets, and each one's under
+# <tag>/<set name>; the highest accuracy so far of each set under VAL_HIGHEST/<set name>).
 VAL_VERIFICATION = "val/verification_accuracy"
 VAL_TAR = "val/tar_at_far_1e-3"
+VAL_HIGHEST = "val/verification_accuracy_highest"
 CONTRACT_TAGS = (TRAIN_LOSS, TRAIN_TOP1, VAL_LOSS, VAL_TOP1, VAL_TOP5, LR_CONV, LR_FC,
                  IMAGES_PER_SEC, BYTES_PER_STEP)
 
@@ -75,16 +76,20 @@ class RunSummaries:
             tf.summary.scalar(VAL_TOP5, top5_error, step=step)
         self.writer.flush()
 
-    def verification(self, step: int, results: Dict[str, object]) -> None:
-        """`results`: VerificationResult by pair set name."""
+    def verification(self, step: int, results: Dict[str, object],
+                     highest: Dict[str, float]) -> None:
+        """`results`: VerificationResult by pair set name; `highest`: each set's highest
+        accuracy so far."""
         if not results:
             return
         with self.writer.as_default():
             for tag, field in ((VAL_VERIFICATION, "accuracy"), (VAL_TAR, "tar")):
                 values = {name: getattr(r, field) for name, r in results.items()}
                 tf.summary.scalar(tag, float(np.mean(list(values.values()))), step=step)
-                for name, value in values.items() if len(values) > 1 else ():
+                for name, value in values.items():
                     tf.summary.scalar(f"{tag}/{name}", value, step=step)
+            for name, value in highest.items():
+                tf.summary.scalar(f"{VAL_HIGHEST}/{name}", value, step=step)
         self.writer.flush()
 
     def histograms(self, step: int, kind: str, named: Iterable[Tuple[str, np.ndarray]]) -> None:
