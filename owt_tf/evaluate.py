@@ -1,18 +1,28 @@
 """`python -m owt_tf.evaluate`: top-1 and top-5 error of a run or of an exported SavedModel,
-or face verification of an export's embeddings.
+or face verification of an export's embeddings (image pairs, or IJB-B / IJB-C templates).
 
     python -m owt_tf.evaluate --logdir RUN            the run's latest checkpoint
     python -m owt_tf.evaluate --model EXPORT_DIR      a SavedModel from owt_tf.export
     python -m owt_tf.evaluate --verification PAIRS EXPORT_DIR
                                                       10-fold accuracy and TAR@FAR=1e-3
+    python -m owt_tf.evaluate --ijb DIR EXPORT_DIR    IJB-C / IJB-B 1:1 verification:
+                                                      TAR@FAR=1e-6 ... 1e-1
 
 on the run's validation split (its dataset is read from the run's config or the export's
 metadata), center crop, or `--ten-crop`: the mean of the softmax over the four corner
 crops, the center crop and their mirror images (AlexNet 2012).
 
---verification reads the export's `embeddings` signature (a model trained with --objective
-arcface or cosface) with plain TensorFlow, no model code; PAIRS is an InsightFace `*.bin`
-(lfw.bin, cfp_fp.bin, ...) or `faces`, the embedded synthetic set's held-out pairs.
+--verification reads the `embeddings` signature of any SavedModel that has one (owt_tf's
+exports of a face model, from the CLI or from `parallelize(model).export`) with plain
+TensorFlow, no model code, and scores it under InsightFace's protocol (each image's outputs
+plus its mirror's, squared distances, 10 folds; docs/faces.md); PAIRS is an InsightFace
+`*.bin` (lfw.bin, cfp_fp.bin, ...) or `faces`, the embedded synthetic set's held-out pairs.
+
+--ijb reads the same signature and scores it as arcface_torch's eval_ijbc.py does
+(owt_tf.data.ijb): DIR is an IJB release's IJBC or IJBB directory (meta/ijbc_*.txt or
+meta/ijbb_*.txt, and loose_crop/); each face aligned to 112x112 by its 5 landmarks, its
+features plus its mirror's times the detector score, pooled per media then per template,
+templates compared by cosine, TAR at FAR read off the ROC of all pairs.
 """
 from __future__ import annotations
 
@@ -38,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="face verification of the export's embeddings signature on "
                              "PAIRS: an InsightFace *.bin of pairs, or faces (the embedded "
                              "set's held-out pairs): 10-fold accuracy and TAR@FAR=1e-3")
+    source.add_argument("--ijb", nargs=2, metavar=("DIR", "EXPORT_DIR"),
+                        help="IJB-C / IJB-B 1:1 verification of the export's embeddings "
+                             "signature on DIR, an IJB release's IJBC or IJBB directory "
+                             "(meta/ and loose_crop/): TAR at FAR=1e-6 ... 1e-1")
     parser.add_argument("--split", default="validation", choices=("validation", "train"))
     parser.add_argument("--ten-crop", action="store_true", help="average 10 crops per image")
     parser.add_argument("--verbose", action="store_true",
@@ -49,6 +63,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.verification:
         return verification(*args.verification, verbose=args.verbose)
+    if args.ijb:
+        return ijb(*args.ijb, verbose=args.verbose)
 
     # TensorFlow loads only now, after the flags were found good.
     start_tensorflow(args.verbose)
@@ -117,10 +133,38 @@ def verification(pairs_source: str, export_dir: str, verbose: bool = False) -> i
         size, embed = load_embeddings(export_dir)
         pairs = load_pairs(pairs_source, size)
         result = verify(embed, pairs, batch_size=256)
-    except (FileNotFoundError, ValueError) as err:  # ExportError, DatasetError: ValueErrors
-        return fail(PROG, err)
+    except (OSError, ValueError) as err:  # ExportError, DatasetError: ValueErrors; a
+        return fail(PROG, err)             # directory SavedModel cannot read: OSError
     print(f"{pairs.name} ({result.pairs} pairs): verification accuracy {result.accuracy:.2%} "
           f"± {result.accuracy_std:.2%} (10 folds) | TAR@FAR=1e-3 {result.tar:.2%}")
+    return 0
+
+
+def ijb(directory: str, export_dir: str, verbose: bool = False) -> int:
+    """Prints the TAR at each FAR (1e-6 ... 1e-1) of the export's embeddings on the IJB-C
+    or IJB-B set in `directory`, on one line."""
+    from owt_tf.data import DatasetError
+    from owt_tf.data.ijb import ALIGNED_SIZE, evaluate_ijb, ijb_layout
+
+    try:  # the set's lists and images directory are found before TensorFlow starts
+        ijb_layout(directory)
+    except DatasetError as err:
+        return fail(PROG, f"--ijb {err}")
+    if not os.path.isdir(export_dir):
+        return fail(PROG, f"--ijb {export_dir}: no such export directory")
+    start_tensorflow(verbose)
+    from owt_tf.training.files.serving import load_embeddings
+
+    try:
+        size, embed = load_embeddings(export_dir)
+        if tuple(size) != ALIGNED_SIZE:
+            return fail(PROG, f"--ijb aligns faces to 112x112 (arcface's reference points); "
+                              f"{export_dir} takes {size[0]}x{size[1]} images")
+        result = evaluate_ijb(directory, embed)
+    except (OSError, ValueError) as err:  # ExportError, DatasetError: ValueErrors
+        return fail(PROG, err)
+    rates = " | ".join(f"TAR@FAR={far:.0e} {tar:.2%}" for far, tar in result.tar_at_far.items())
+    print(f"{result.target} 1:1 ({result.templates} templates, {result.pairs} pairs): {rates}")
     return 0
 
 

@@ -20,6 +20,12 @@ normalised softmax (so d loss / d cos_j = s * (softmax_j - onehot_j) for every c
 with softmax taken of the margin logits). The margin still shapes training through the
 softmax probabilities, which are computed from the margin logits.
 
+Inter-class filtering (Partial FC v2's `interclass_filtering_threshold`, for noisy
+identities in web-scale sets): with a threshold t > 0, a non-target cosine above t is set to
+0 for that row (as arcface_torch multiplies it by a mask computed without gradient), so a
+class that looks like the row's own identity (a duplicate identity, a mislabelled image)
+is not pushed away. It is applied before the margin, to the cosines the softmax sees.
+
 InsightFace's older ArcFace replaced the target by `cos(theta) - m*sin(m)` once
 theta > pi - m (keeping the target monotonic in theta). Today's arcface_torch has no such
 fallback and neither does this module.
@@ -60,6 +66,8 @@ class MarginSoftmax(keras.losses.Loss):
         m1: multiplicative angular margin (SphereFace); 1 means none.
         m2: additive angular margin in radians (ArcFace).
         m3: additive cosine margin (CosFace).
+        interclass_filtering_threshold: t in [0, 1); 0 (default) filters nothing; else a
+            non-target cosine above t counts as 0 (Partial FC v2).
 
     y_true: integer class ids, [N] or [N, 1], any numeric dtype. Keras' Loss converts y_true
     to float32 before `call`, which is exact for ids below 2^24 (16.7M classes); beyond that
@@ -69,10 +77,14 @@ class MarginSoftmax(keras.losses.Loss):
 
     def __init__(self, scale: float = 64.0, m1: float = 1.0, m2: float = 0.0,
                  m3: float = 0.0, reduction: str = "sum_over_batch_size",
-                 name: str = "margin_softmax") -> None:
+                 name: str = "margin_softmax",
+                 interclass_filtering_threshold: float = 0.0) -> None:
         _check_margins(scale, m1, m2, m3)
+        _check_in_range("interclass_filtering_threshold", interclass_filtering_threshold, 0, 1,
+                        "0 filters nothing; arcface_torch's WebFace configs use 0.4")
         super().__init__(name=name, reduction=reduction)
         self.scale, self.m1, self.m2, self.m3 = float(scale), float(m1), float(m2), float(m3)
+        self.interclass_filtering_threshold = float(interclass_filtering_threshold)
 
     def margin_cosine(self, cos_y: Any) -> Any:
         """cos(m1 * acos(c) + m2) - m3, the label's cosine after the margin (forward value
@@ -99,6 +111,10 @@ class MarginSoftmax(keras.losses.Loss):
         cos_y = ops.take_along_axis(cos, ops.expand_dims(gather_at, -1), axis=-1)
         is_target = ops.equal(ops.expand_dims(labels, -1),
                               ops.expand_dims(ops.arange(num_columns, dtype="int32"), 0))
+        if self.interclass_filtering_threshold > 0:
+            dirty = ops.logical_and(cos > self.interclass_filtering_threshold,
+                                    ops.logical_not(is_target))
+            cos = ops.where(dirty, ops.zeros_like(cos), cos)
         return ops.where(is_target, self.target_logit(cos_y), self.scale * cos)
 
     def call(self, y_true, y_pred):
@@ -108,7 +124,8 @@ class MarginSoftmax(keras.losses.Loss):
 
     def get_config(self) -> Dict[str, Any]:
         return {"scale": self.scale, "m1": self.m1, "m2": self.m2, "m3": self.m3,
-                "reduction": self.reduction, "name": self.name}
+                "reduction": self.reduction, "name": self.name,
+                "interclass_filtering_threshold": self.interclass_filtering_threshold}
 
 
 @keras.saving.register_keras_serializable(package="owt_tf")
@@ -116,14 +133,17 @@ class ArcFace(MarginSoftmax):
     """Additive angular margin: s * cos(theta_y + margin) at the label (Deng et al. 2019)."""
 
     def __init__(self, scale: float = 64.0, margin: float = 0.5,
-                 reduction: str = "sum_over_batch_size", name: str = "arcface") -> None:
+                 reduction: str = "sum_over_batch_size", name: str = "arcface",
+                 interclass_filtering_threshold: float = 0.0) -> None:
         _check_in_range("margin (radians)", margin, 0, math.pi / 2, "ArcFace uses 0.5")
-        super().__init__(scale=scale, m2=margin, reduction=reduction, name=name)
+        super().__init__(scale=scale, m2=margin, reduction=reduction, name=name,
+                         interclass_filtering_threshold=interclass_filtering_threshold)
         self.margin = float(margin)
 
     def get_config(self) -> Dict[str, Any]:
         return {"scale": self.scale, "margin": self.margin, "reduction": self.reduction,
-                "name": self.name}
+                "name": self.name,
+                "interclass_filtering_threshold": self.interclass_filtering_threshold}
 
 
 @keras.saving.register_keras_serializable(package="owt_tf")
@@ -132,11 +152,14 @@ class CosFace(MarginSoftmax):
     The paper's margin is 0.35; arcface_torch's configs use 0.4."""
 
     def __init__(self, scale: float = 64.0, margin: float = 0.35,
-                 reduction: str = "sum_over_batch_size", name: str = "cosface") -> None:
+                 reduction: str = "sum_over_batch_size", name: str = "cosface",
+                 interclass_filtering_threshold: float = 0.0) -> None:
         _check_in_range("margin", margin, 0, 1, "CosFace uses 0.35")
-        super().__init__(scale=scale, m3=margin, reduction=reduction, name=name)
+        super().__init__(scale=scale, m3=margin, reduction=reduction, name=name,
+                         interclass_filtering_threshold=interclass_filtering_threshold)
         self.margin = float(margin)
 
     def get_config(self) -> Dict[str, Any]:
         return {"scale": self.scale, "margin": self.margin, "reduction": self.reduction,
-                "name": self.name}
+                "name": self.name,
+                "interclass_filtering_threshold": self.interclass_filtering_threshold}

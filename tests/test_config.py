@@ -252,7 +252,9 @@ def test_presets_are_configs_and_flags_override_them():
     from owt_tf.cli import parse_config
     from owt_tf.config import PRESETS, demo
 
-    assert demo() == RunConfig() and set(PRESETS) == {"demo", "imagenet-paper", "faces"}
+    assert demo() == RunConfig() and set(PRESETS) == {
+        "demo", "imagenet-paper", "faces", "ms1mv3-r50", "ms1mv3-r100", "glint360k-r100",
+        "wf42m-pfc0.2-r100", "ms1mv3-mbf"}
     paper = imagenet_paper()
     assert (paper.model.model, paper.data.dataset, paper.parallel.fc_batch) == (
         "alexnet", "imagenet2012", "worker")

@@ -199,7 +199,8 @@ import numpy as np
 import tensorflow as tf
 loaded = tf.saved_model.load(sys.argv[1])
 x = np.load(sys.argv[2])
-out = {name: {k: v.numpy().tolist() for k, v in fn(inputs=tf.constant(x)).items()}
+out = {name: {k: v.numpy().tolist() for k, v in fn(images=tf.constant(x)).items()
+              if v.dtype != tf.string}
        for name, fn in loaded.signatures.items()}
 print(json.dumps({"owt_tf_loaded": any(m.startswith("owt_tf") for m in sys.modules),
                   "signatures": out}))
@@ -219,39 +220,68 @@ def _load_in_fresh_process(path, x, tmp_path):
 
 
 def test_export_has_an_embeddings_signature_a_fresh_process_loads(devices, tmp_path):
-    """The SavedModel's `serving_default` gives the classes' cosines and `embeddings` the
-    normalised embedding, both equal to the trained model's, loaded without owt_tf; an
+    """The export contract (owt_tf.models.signatures), loaded without owt_tf: `images`
+    uint8 in, fed to the model as pixel values; `serving_default` the softmax of the
+    margin loss's scale times the classes' cosines, `embeddings` the class layer's input
+    (`features`) and it normalised, all equal to the trained model's; an
     `embeddings_only` export has the embedding alone and no class layer in its variables."""
     import tensorflow as tf
 
-    parallel, x = _trained_face_model(devices)
-    rows = x[:5]
+    parallel, _ = _trained_face_model(devices)
+    rows = np.random.default_rng(0).integers(0, 256, size=(5, 8, 8, 3)).astype(np.uint8)
+    pixels = rows.astype(np.float32)
     plain = parallel.to_keras_model()
     parallel.export(str(tmp_path / "full"))
     parallel.export(str(tmp_path / "embedding"), embeddings_only=True)
     full = _load_in_fresh_process(tmp_path / "full", rows, tmp_path)
     assert not full["owt_tf_loaded"]
     assert set(full["signatures"]) == {"serving_default", "embeddings"}
-    (served,) = full["signatures"]["serving_default"].values()
-    (embedded,) = full["signatures"]["embeddings"].values()
-    np.testing.assert_allclose(served, plain.predict(rows, verbose=0), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(embedded, _numpy_embeddings(plain, rows), rtol=1e-5, atol=1e-6)
+    served = full["signatures"]["serving_default"]
+    assert set(served) == {"probabilities", "top5"}  # and top5_names, strings
+    logits = 64.0 * plain.predict(pixels, verbose=0)  # ArcFace's scale
+    want = np.exp(logits - logits.max(1, keepdims=True))
+    np.testing.assert_allclose(served["probabilities"], want / want.sum(1, keepdims=True),
+                               rtol=1e-4, atol=1e-6)
+    embedded = full["signatures"]["embeddings"]
+    features_model = keras.Model(plain.inputs, plain.get_layer("classes").input)
+
+    def features_of(images):
+        return features_model.predict(images, verbose=0)
+
+    features = features_of(pixels)
+    np.testing.assert_allclose(embedded["features"], features, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(embedded["embeddings"], _numpy_embeddings(plain, pixels),
+                               rtol=1e-5, atol=1e-6)
     only = _load_in_fresh_process(tmp_path / "embedding", rows, tmp_path)
     # TF Serving needs a default signature: Keras makes it the embedding
     assert set(only["signatures"]) == {"serving_default", "embeddings"}
     for signature in only["signatures"].values():
-        (embedded_only,) = signature.values()
-        np.testing.assert_allclose(embedded_only, embedded, rtol=1e-6, atol=1e-7)
+        for name in ("features", "embeddings"):
+            np.testing.assert_allclose(signature[name], embedded[name], rtol=1e-6, atol=1e-6)
+    # `evaluate --verification` reads the Keras path's export as it reads the CLI's
+    import subprocess
+    import sys
+
+    from owt_tf.data.faces import faces_dataset
+    from owt_tf.data.verification import verify
+
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.evaluate", "--verification", "faces",
+                           str(tmp_path / "full")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pairs = faces_dataset((8, 8, 3)).verification_pairs()
+    want = verify(lambda images: features_of(images.astype(np.float32)), pairs)
+    assert (f"verification accuracy {want.accuracy:.2%} ± {want.accuracy_std:.2%} (10 folds) "
+            f"| TAR@FAR=1e-3 {want.tar:.2%}") in proc.stdout, proc.stdout
     shapes = [tuple(s) for _, s in tf.train.list_variables(str(tmp_path / "embedding" / "variables" / "variables"))]
     assert (16, CLASSES) not in shapes and (16, CLASSES) in [
         tuple(s) for _, s in tf.train.list_variables(str(tmp_path / "full" / "variables" / "variables"))]
 
 
 def test_verification_callback_reads_the_parallelized_model(devices):
-    """owt_tf.callbacks.Verification on a parallelized model embeds through model.embed:
-    its accuracy equals the LFW protocol computed here from the one-device embeddings."""
+    """owt_tf.callbacks.Verification on a parallelized model embeds through its `features`:
+    its accuracy equals the protocol's on the one-device model's class-layer input."""
     from owt_tf.callbacks import Verification
-    from owt_tf.data.verification import VerificationPairs, pair_scores, ten_fold_accuracy
+    from owt_tf.data.verification import VerificationPairs, verify
 
     reference = face_net(seed=7)
     x, y = _data(2 * BATCH, seed=7)
@@ -268,7 +298,7 @@ def test_verification_callback_reads_the_parallelized_model(devices):
     history = parallel.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0,
                            callbacks=[Verification(pairs, batch_size=BATCH)]).history
     plain = parallel.to_keras_model()
-    scores = pair_scores(_numpy_embeddings(plain, first), _numpy_embeddings(plain, second))
-    mean, _ = ten_fold_accuracy(scores, pairs.same)
+    features = keras.Model(plain.inputs, plain.get_layer("classes").input)
+    mean = verify(lambda images: features.predict(images, verbose=0), pairs).accuracy
     assert history["val_toy_accuracy"][0] == pytest.approx(mean, abs=1e-9)
     assert mean > 0.7  # near-duplicates against strangers: far from chance

@@ -79,6 +79,7 @@ def torch_mobilefacenet(features=512, side=112):
 REFERENCE = {
     "iresnet18": (lambda: torch_iresnet((2, 2, 2, 2)), 512, 2.6),
     "iresnet50": (lambda: torch_iresnet((3, 4, 14, 3)), 512, 6.3),
+    "iresnet100": (lambda: torch_iresnet((3, 13, 30, 3)), 512, 12.1),
     "mobilefacenet": (torch_mobilefacenet, 0, 0.45),
 }
 
@@ -117,6 +118,7 @@ def test_parameters_and_multiply_adds_match_arcface_torch(name):
 def test_published_sizes():
     """The sizes the face papers quote: r50 43.6 M parameters, r18 24.0 M, MobileFaceNet 2.0 M."""
     assert torch_iresnet((3, 4, 14, 3)).params == 43_590_848
+    assert round(torch_iresnet((3, 13, 30, 3)).params / 1e6, 1) == 65.2
     assert torch_iresnet((2, 2, 2, 2)).params == 24_025_600
     assert torch_mobilefacenet().params == 2_059_520
 

@@ -237,17 +237,24 @@ def test_verification_bins_read_back(tmp_path):
     with open(tmp_path / "lfw.bin", "rb") as f:
         images, flags = pickle.load(f, encoding="bytes")  # InsightFace's own reading of it
     assert images == jpegs and flags == same
-    bad_pairs = [(jpegs[0], b"broken"), (jpegs[2], jpegs[3])]
-    write_verification_bin(str(tmp_path / "agedb_30.bin"), bad_pairs, [True, False])
+    write_verification_bin(str(tmp_path / "agedb_30.bin"), pairs[:2], same[:2])
     agedb, lfw = verification_sets(str(tmp_path), (SIDE, SIDE))
     assert (lfw.name, agedb.name) == ("lfw", "agedb_30")
     decoded = np.stack([tf.io.decode_jpeg(j).numpy() for j in jpegs])
     np.testing.assert_array_equal(lfw.first, decoded[0::2])
     np.testing.assert_array_equal(lfw.second, decoded[1::2])
     np.testing.assert_array_equal(lfw.same, same)
-    assert len(agedb) == 1 and not agedb.same[0]  # the pair that does not decode is left out
+    assert len(agedb) == 2
     small = verification_sets(str(tmp_path), (8, 8))[1]
     assert small.first.shape == (4, 8, 8, 3) and small.first.dtype == np.uint8
+
+
+def test_a_bin_with_an_image_that_does_not_decode_is_one_error_naming_it(tmp_path):
+    jpegs = _pair_images(2)
+    write_verification_bin(str(tmp_path / "calfw.bin"), [(jpegs[0], jpegs[1]),
+                                                         (jpegs[2], b"broken")], [True, False])
+    with pytest.raises(DatasetError, match=r"calfw.bin: image 3 \(pair 1\) does not decode"):
+        verification_sets(str(tmp_path), (SIDE, SIDE))
 
 
 def test_a_bin_that_is_not_a_pickle(tmp_path):

@@ -17,7 +17,7 @@ from owt_tf.config.flags import as_flag_error, flag, parse_decay_epochs, parse_p
 from owt_tf.planner.plan import AUTO, ParallelPlan
 
 LR_SCALINGS = ("linear", "sqrt", "none")
-LR_SCHEDULES = ("constant", "step", "cosine")
+LR_SCHEDULES = ("constant", "step", "cosine", "poly")
 # --augment: AlexNet's crop + flip + PCA lighting; the random crop alone (no mirror images:
 # digits and text are not symmetric); none (training sees the eval view); auto picks per
 # dataset (owt_tf.data.datasets.default_augmentation).
@@ -58,6 +58,10 @@ class ModelConfig:
         None, "the margin of --objective arcface (radians, in [0, pi/2); default 0.5) or "
               "cosface (in [0, 1); default 0.35)", kind=float)
     scale: float = flag(64.0, "the logit scale s of --objective arcface or cosface (> 0)")
+    interclass_filtering_threshold: float = flag(
+        0.0, "Partial FC v2's inter-class filtering for noisy identities, with --objective "
+             "arcface or cosface: a non-target cosine above it counts as 0 for that row; 0 "
+             "(default) filters nothing; arcface_torch's WebFace configs use 0.4; in [0, 1)")
 
     @property
     def margin_value(self) -> Optional[float]:
@@ -150,7 +154,9 @@ class OptimizerConfig:
     lr_scaling: str = flag("linear", "how a rate grows with its batch: linear, sqrt or none",
                             choices=LR_SCALINGS)
     lr_schedule: str = flag(
-        "constant", "constant, step (rates / 10 at --lr-decay-epochs, AlexNet) or cosine",
+        "constant", "constant, step (rates / 10 at --lr-decay-epochs, AlexNet), cosine, or "
+                    "poly (arcface_torch's: linear warm-up over --warmup-epochs from 0, then "
+                    "(1 - progress)^2 to 0 at the last step)",
         choices=LR_SCHEDULES)
     lr_decay_epochs: Tuple[float, ...] = flag(
         (30.0, 60.0, 80.0), "comma-separated epochs for the step schedule",

@@ -112,6 +112,12 @@ def check_objective(config) -> None:
         check_positive_int("--embedding-dim", m.embedding_dim)
     if not (math.isfinite(m.scale) and m.scale > 0):
         raise ConfigError("--scale", f"must be a number > 0, got {m.scale}")
+    if not 0 <= m.interclass_filtering_threshold < 1:  # NaN fails too
+        raise ConfigError("--interclass-filtering-threshold",
+                          f"must be in [0, 1), got {m.interclass_filtering_threshold}")
+    if m.interclass_filtering_threshold and m.margin_value is None:
+        raise ConfigError("--interclass-filtering-threshold", "filters a margin softmax's "
+                          "cosines: needs --objective arcface or cosface")
     if m.objective not in MARGIN_OBJECTIVES:
         if m.margin is not None:
             raise ConfigError("--margin", f"is the margin of --objective arcface or cosface, "

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import logging
 import os
 import pickle
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -50,7 +49,6 @@ from owt_tf.data.verification import VerificationPairs
 from owt_tf.data.recordio import (FIRST, IR_SIZE, LENGTH_MASK, MAGIC, WHOLE, RecordFile,
                                  read_index, unpack_payload)
 
-log = logging.getLogger(__name__)
 
 VALIDATION_IDENTITIES = 10_000  # identities with an image held out for validation, at most
 MIN_IMAGES_TO_HOLD_OUT = 3  # an identity keeps at least two training images
@@ -281,8 +279,10 @@ def held_out_for_validation(labels: np.ndarray,
 def read_verification_bin(path: str, image_size: Tuple[int, int] = (112, 112),
                           channels: int = 3) -> VerificationPairs:
     """A `.bin` of pairs decoded to uint8 [P, H, W, C] at `image_size` (resized when not
-    already that size). A pair with an image that does not decode is left out (logged);
-    a file that is not such a pickle is a DatasetError."""
+    already that size). A file that is not such a pickle, or holds an image that does not
+    decode, is a DatasetError naming the file (and the image): leaving a pair out would
+    move every later pair into another fold, and the numbers would no longer be the ones
+    published for the set."""
     try:
         with open(path, "rb") as f:
             images, same = pickle.load(f, encoding="bytes")
@@ -291,17 +291,17 @@ def read_verification_bin(path: str, image_size: Tuple[int, int] = (112, 112),
                            f"{err})".splitlines()[0]) from None
     if len(images) != 2 * len(same):
         raise DatasetError(f"{path}: {len(images)} images for {len(same)} pairs (needs two each)")
-    decoded = [_decode_pair_image(image, image_size, channels) for image in images]
-    keep = [p for p in range(len(same))
-            if decoded[2 * p] is not None and decoded[2 * p + 1] is not None]
-    if len(keep) < len(same):
-        log.warning("%s: %d of %d pairs left out: an image does not decode", path,
-                    len(same) - len(keep), len(same))
-    empty = np.zeros((0,) + tuple(image_size) + (channels,), np.uint8)
-    first = np.stack([decoded[2 * p] for p in keep]) if keep else empty
-    second = np.stack([decoded[2 * p + 1] for p in keep]) if keep else empty
-    flags = np.array([bool(same[p]) for p in keep], bool)
-    return VerificationPairs(first, second, flags, os.path.splitext(os.path.basename(path))[0])
+    if not same:
+        raise DatasetError(f"{path}: no pairs")
+    decoded = []
+    for index, image in enumerate(images):
+        pixels = _decode_pair_image(image, image_size, channels)
+        if pixels is None:
+            raise DatasetError(f"{path}: image {index} (pair {index // 2}) does not decode")
+        decoded.append(pixels)
+    flags = np.array([bool(s) for s in same], bool)
+    return VerificationPairs(np.stack(decoded[0::2]), np.stack(decoded[1::2]), flags,
+                             os.path.splitext(os.path.basename(path))[0])
 
 
 def _decode_pair_image(image, size: Tuple[int, int], channels: int) -> Optional[np.ndarray]:

@@ -6,7 +6,7 @@ trunk is built (the CLI validates --model and FC widths before anything heavy lo
 from __future__ import annotations
 
 from owt_tf.models.alexnet import alexnet, alexnet_tiny
-from owt_tf.models.face import face_tiny, iresnet18, iresnet50, mobilefacenet
+from owt_tf.models.face import face_tiny, iresnet18, iresnet50, iresnet100, mobilefacenet
 from owt_tf.models.registry import MODEL_NAMES, build_model
 from owt_tf.models.vgg import vgg16, vgg_tiny
 from owt_tf.models.spec import (HeadSpec, ModelSpec, fc_param_count, initial_head_weights,
@@ -26,6 +26,6 @@ def __getattr__(name):
 
 
 __all__ = ["MODEL_NAMES", "build_model", "alexnet", "alexnet_tiny", "vgg16", "vgg_tiny", "iresnet18",
-           "iresnet50", "mobilefacenet", "face_tiny", "HeadSpec", "ModelSpec",
+           "iresnet50", "iresnet100", "mobilefacenet", "face_tiny", "HeadSpec", "ModelSpec",
            "fc_param_count", "initial_head_weights", "initial_trunk_weights", "CrossMapNorm",
            "ChannelPReLU"]

@@ -1,4 +1,5 @@
-"""Keras layers the model definitions need that Keras does not ship."""
+"""Keras layers the model definitions need that Keras does not ship, and which of a model's
+variables are BatchNormalization's moving statistics."""
 from __future__ import annotations
 
 import keras
@@ -28,3 +29,12 @@ class CrossMapNorm(keras.layers.Layer):
     def get_config(self):
         return {**super().get_config(), "size": self.size, "k": self.k,
                 "alpha": self.alpha, "beta": self.beta}
+
+
+# The names Keras gives BatchNormalization's moving statistics (layers.BatchNormalization.build).
+MOVING_STATISTICS = ("moving_mean", "moving_variance")
+
+
+def moving_statistics(model: keras.Model) -> list:
+    """The model's BatchNormalization moving means and variances, at any depth of nesting."""
+    return [v for v in model.non_trainable_variables if v.name in MOVING_STATISTICS]

@@ -11,11 +11,12 @@ MODEL_BUILDERS = {
     "vgg_tiny": "owt_tf.models.vgg:vgg_tiny",
     "iresnet18": "owt_tf.models.face:iresnet18",
     "iresnet50": "owt_tf.models.face:iresnet50",
+    "iresnet100": "owt_tf.models.face:iresnet100",
     "mobilefacenet": "owt_tf.models.face:mobilefacenet",
     "face_tiny": "owt_tf.models.face:face_tiny",
 }
 # Face trunks output an embedding; their builders take `embedding_dim`.
-EMBEDDING_MODELS = ("iresnet18", "iresnet50", "mobilefacenet", "face_tiny")
+EMBEDDING_MODELS = ("iresnet18", "iresnet50", "iresnet100", "mobilefacenet", "face_tiny")
 MODEL_NAMES = tuple(MODEL_BUILDERS)
 # The FC layers' widths of each registry model (what must split evenly over K devices),
 # known without building it; tests check them against the built models.
@@ -27,6 +28,7 @@ FC_WIDTHS = {
     # Face models: the class layer sits on the embedding, no hidden FC layers.
     "iresnet18": (),
     "iresnet50": (),
+    "iresnet100": (),
     "mobilefacenet": (),
     "face_tiny": (),
 }

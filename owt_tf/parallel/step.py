@@ -9,6 +9,7 @@ optimizers apply the updates, and which loss the head computes.
     rounds      = run_fc_rounds(...)                   the scheme's exchanges + FC shards
     trunk grads = d activations^T . activation_grad    back through the trunk
     apply_trunk(trunk grads)                           all-reduced by the trunk's optimizer
+    average_moving_statistics(...)                     BatchNormalization's, one per model
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
+from owt_tf.models.layers import moving_statistics
 from owt_tf.parallel import collectives as coll
 
 from owt_tf.planner import ledger
@@ -52,6 +54,7 @@ class TrunkRunner:
         self.trunk = trunk
         self.jit = jit
         self._compiled: Dict[Tuple[bool, int], Callable] = {}
+        self.moving_statistics = moving_statistics(trunk)
 
     def forward(self, training: bool) -> TrunkForward:
         trunk = self.trunk
@@ -72,6 +75,36 @@ class TrunkRunner:
             return activations, (tf.add_n(losses) if losses else None)
 
         return with_regularization
+
+
+def average_moving_statistics(statistics: Sequence[tf.Variable],
+                              after: Sequence[tf.Tensor] = ()) -> None:
+    """Sets every replica's moving statistics to their mean over the replicas (call inside
+    strategy.run, after the training forward pass updated them), once `after` is computed.
+
+    Under MirroredStrategy each replica updates its own copy from its own rows (Keras
+    creates them with aggregation NONE, tensorflow/tensorflow#46488), so an image's
+    embedding would depend on the replica that embeds it, and an export (one replica's
+    copy) would differ from the run. PyTorch DDP keeps one set by broadcasting rank 0's
+    (broadcast_buffers); the mean keeps one set and uses every replica's rows. One
+    all-reduce of all statistics, packed.
+
+    `after`: what the all-reduce must wait for. The statistics are ready once the forward
+    pass ends, before the step's other collectives (the FC exchanges, the trunk's gradient
+    all-reduce) have run; nothing would then order this one among them, and a blocking
+    collective that two replicas reach in different orders can hold every inter-op thread
+    of a small host. Waiting for the trunk's updated weights puts it last, after all of
+    them, on every replica."""
+    if not statistics or coll.num_replicas() == 1:
+        return
+    with tf.control_dependencies(list(after)):
+        values = [tf.identity(v.value if isinstance(v, keras.Variable) else v)
+                  for v in statistics]
+    packed = tf.concat([tf.reshape(v, [-1]) for v in values], 0)
+    mean = coll.all_reduce_sum(packed, ledger.MOVING_STATS) / coll.num_replicas()
+    sizes = [int(v.shape.num_elements()) for v in values]
+    for variable, part, value in zip(statistics, tf.split(mean, sizes), values):
+        variable.assign(tf.reshape(part, value.shape))
 
 
 @dataclasses.dataclass
@@ -99,11 +132,13 @@ def replica_train_step(rounds: StepRounds, head: ShardedHead, trunk_forward: Tru
                        trunk_variables: Sequence[tf.Variable], images: tf.Tensor,
                        labels: tf.Tensor, seed: Optional[tf.Tensor], apply_trunk: ApplyTrunk,
                        apply_fc: ApplyFc, loss_scale: Optional[tf.Tensor] = None,
-                       row_weights: Optional[List[tf.Tensor]] = None) -> ReplicaStep:
+                       row_weights: Optional[List[tf.Tensor]] = None,
+                       statistics: Sequence[tf.Variable] = ()) -> ReplicaStep:
     """One optimizer step of this replica (call inside strategy.run). With a `loss_scale`
     (fp16), gradients are taken of the loss times it and unscaled before they are applied.
     `row_weights` (per round, schemes.round_weights): each example's loss is multiplied by
-    its row's weight."""
+    its row's weight. `statistics`: the trunk's moving statistics (TrunkRunner's), averaged
+    over the replicas once the forward pass has updated them."""
     shard = shard_index(rounds)
     with tf.GradientTape() as trunk_tape:
         activations, trunk_loss = trunk_forward(images)
@@ -124,6 +159,8 @@ def replica_train_step(rounds: StepRounds, head: ShardedHead, trunk_forward: Tru
     grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trunk_variables)]
     grads = unscaled(grads, loss_scale)
     apply_trunk(grads)
+    # the trunk's weights read after their update: the statistics' all-reduce comes last
+    average_moving_statistics(statistics, [tf.identity(v) for v in trunk_variables[:1]])
     return ReplicaStep(result, grads, trunk_loss)
 
 

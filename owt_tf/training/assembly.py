@@ -47,7 +47,8 @@ def margin_loss(config: RunConfig):
     if m.margin_value is None:
         return None
     kind = {"arcface": ArcFace, "cosface": CosFace}[m.objective]
-    return kind(scale=m.scale, margin=m.margin_value)
+    return kind(scale=m.scale, margin=m.margin_value,
+                interclass_filtering_threshold=m.interclass_filtering_threshold)
 
 
 def head_loss(config: RunConfig) -> Optional[HeadLoss]:

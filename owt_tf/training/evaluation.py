@@ -114,3 +114,21 @@ def verification_text(results: Dict[str, VerificationResult],
         f"{name} {r.accuracy:.2%} ± {r.accuracy_std:.2%} ("
         + (f"highest {highest[name]:.2%}, " if name in highest else "")
         + f"TAR@FAR=1e-3 {r.tar:.2%})" for name, r in results.items())
+
+
+def by_global_batches(fn: Callable, images: np.ndarray, batch: int, size: Tuple[int, int],
+                      dataset, distribute: Callable, after_each: Callable) -> np.ndarray:
+    """`fn` of distributed global batches of `batch` uint8 `images`, eval-preprocessed to
+    `size` with the dataset's normalisation (the last batch padded, the padding dropped);
+    `after_each()` runs after every batch."""
+    from owt_tf.data.preprocess import eval_preprocess
+
+    n = len(images)
+    padded = np.concatenate([images, np.zeros((-n % batch,) + images.shape[1:], images.dtype)])
+    out = []
+    for start in range(0, len(padded), batch):
+        x = eval_preprocess(tf.constant(padded[start:start + batch]), size, dataset.mean,
+                            dataset.std)
+        out.append(fn(distribute(x)).numpy())
+        after_each()
+    return np.concatenate(out)[:n]

@@ -37,7 +37,8 @@ from owt_tf.training.schedule import lr_factor
 from owt_tf.training.guard import (Interrupted, SignalStop, StepSnapshot, WorkerLost,
                                    is_peer_failure)
 from owt_tf.training.assembly import choose_scheme, head_loss, model_spec
-from owt_tf.training.evaluation import dataset_pair_sets, verification_text, verify_sets
+from owt_tf.training.evaluation import (by_global_batches, dataset_pair_sets,
+                                        verification_text, verify_sets)
 from owt_tf.training.input import failed_decodes, own_input, stream_end
 from owt_tf.training.progress import ProgressLines
 from owt_tf.training.report import EvalMetrics, StepMetrics, done_line, run_summary
@@ -158,8 +159,7 @@ class Trainer:
         self._features_fn = tf.function(self._traced(
             lambda images: self.driver.features_step(self.model, images)))
         self._pair_sets = None  # the dataset's verification pairs, read when first needed
-        # Each pair set's highest accuracy in this process's validations (arcface_torch's
-        # "Accuracy-Highest"), by set name.
+        # Each pair set's highest accuracy so far ("Accuracy-Highest"), by set name.
         self.highest_verification: Dict[str, float] = {}
         # fp16 undoes every step whose scaled gradients overflowed, as does --skip-nonfinite.
         snapshot = (StepSnapshot(self._state_variables(), strategy)
@@ -273,35 +273,20 @@ class Trainer:
         return self._by_global_batches(self._predict_fn, images)
 
     def features(self, images: np.ndarray) -> np.ndarray:
-        """The trunk's float32 outputs for uint8 images [N, H, W, C] (the class layer's
-        input, not normalised: what InsightFace's verification flips and sums), each
-        replica running its own rows (eval mode)."""
+        """The trunk's float32 outputs (the class layer's input, not normalised) for uint8
+        images [N, H, W, C], each replica running its own rows (eval mode)."""
         if self.spec.head.hidden:
             raise ValueError(f"model {self.spec.name}: the class layer's input is computed by "
                              "hidden FC layers on the shards; only a trunk's output embeds")
         return self._by_global_batches(self._features_fn, images)
 
-    def embed(self, images: np.ndarray) -> np.ndarray:
-        """L2-normalised embeddings of uint8 images [N, H, W, C] (`features`, normalised)."""
-        features = self.features(images)
-        return features / np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
-
     def _by_global_batches(self, fn, images: np.ndarray) -> np.ndarray:
         """`fn` of distributed global batches of `images`, eval-preprocessed (the last batch
         padded, the padding dropped)."""
-        from owt_tf.data.preprocess import eval_preprocess
-
-        batch = self.config.global_batch_size
-        n = len(images)
-        padded = np.concatenate([images, np.zeros((-n % batch,) + images.shape[1:], images.dtype)])
-        size = self.spec.input_shape[:2]
-        out = []
-        for start in range(0, len(padded), batch):
-            x = eval_preprocess(tf.constant(padded[start:start + batch]), size,
-                                self.dataset.mean, self.dataset.std)
-            out.append(fn(self.hybrid.placement.distribute_global_batch(x)).numpy())
-            self._traced_gradients.release()
-        return np.concatenate(out)[:n]
+        return by_global_batches(fn, images, self.config.global_batch_size,
+                                 self.spec.input_shape[:2], self.dataset,
+                                 self.hybrid.placement.distribute_global_batch,
+                                 self._traced_gradients.release)
 
     def verify(self) -> Dict[str, object]:
         """VerificationResult by set name of the dataset's pair sets (faces, insightface's
