@@ -19,6 +19,16 @@ but no smaller.
 
 The sample is a pure function of the update's seed and the shard (stateless random ops):
 the same step seed gives the same classes, another step or shard other ones.
+
+How it is drawn without a pass over the shard (its cost follows the sample, not the head):
+the update's positives are the distinct label ids of the shard (from the rows, not from a
+[width] mask); the other classes are ids drawn uniformly at random with replacement, a few
+more than needed, kept in the order each first appears (tf.unique) with the positives taken
+out: the first j of them are a uniform random j-subset of the non-positive classes (every
+order of distinct draws is equally likely). In the rare case the draws hold too few distinct
+ids (a probability far below 1e-9 at the draw counts chosen), or when the sample is over
+half the shard, the sample is chosen by uniform scores over the whole shard instead (as
+Partial FC does: positives scored above every random score, top-k), which is uniform too.
 """
 from __future__ import annotations
 
@@ -88,11 +98,63 @@ def shard_sample(labels: Sequence[tf.Tensor], k: int, width: int, num_classes: i
     with these rows' `labels` (every round of the update, `sparse` as in shard_positives),
     seeded by `update_seed` (int32 [2])."""
     first = k * width
-    positives = shard_positives(labels, first, width, sparse)
     num_valid = min(width, max(0, num_classes - first))
     rows = sum(int(y.shape[0]) for y in labels) if sparse else None
-    return sample_columns(positives, num_valid, rate, shard_seed(update_seed, k),
-                          sample_size(rate, num_valid, width, rows))
+    size = sample_size(rate, num_valid, width, rows)
+    seed = shard_seed(update_seed, k)
+    if sparse and direct_draws(size, num_valid):
+        ids = tf.concat([tf.reshape(tf.cast(y, tf.int32), [-1]) for y in labels], 0) - first
+        return draw_columns(ids, num_valid, width, rate, seed, size)
+    positives = shard_positives(labels, first, width, sparse)
+    return sample_columns(positives, num_valid, rate, seed, size)
+
+
+def direct_draws(size: int, num_valid: int) -> Optional[int]:
+    """How many ids `draw_columns` draws to find `size` distinct ones among `num_valid`
+    classes, or None when the sample is too large a share of the shard to draw directly.
+    Enough that the expected distinct count exceeds `size` by 8 standard deviations (and
+    16): falling short is then far rarer than 1e-9."""
+    target = size + 8 * math.sqrt(size) + 16
+    if num_valid <= 0 or target > 0.5 * num_valid:
+        return None
+    return int(math.ceil(-num_valid * math.log1p(-target / num_valid))) + 16
+
+
+def draw_columns(label_ids: tf.Tensor, num_valid: int, width: int, rate: float,
+                 seed: tf.Tensor, size: int) -> SampledColumns:
+    """The columns one shard keeps, drawn without a pass over the shard (module docstring):
+    `label_ids` int32 [n], the update's labels less the shard's first class (those outside
+    0 ... num_valid-1 are another shard's). The same rule as sample_columns: every positive,
+    then uniform others up to sample_count(rate, num_valid) in all; `size` ids, the rest
+    padding (flagged invalid)."""
+    count = sample_count(rate, num_valid)
+    mine = (label_ids >= 0) & (label_ids < num_valid)
+    positives = tf.sort(tf.unique(tf.boolean_mask(label_ids, mine))[0])
+    num_positives = tf.size(positives)
+    draws = tf.random.stateless_uniform([direct_draws(size, num_valid)], seed=seed, minval=0,
+                                        maxval=num_valid, dtype=tf.int64)
+    distinct = tf.cast(tf.unique(draws)[0], tf.int32)  # in the order each first appears
+    slot = tf.clip_by_value(tf.searchsorted(positives, distinct), 0,
+                            tf.maximum(num_positives - 1, 0))
+    is_positive = (tf.gather(tf.pad(positives, [[0, 1]]), slot) == distinct) & (
+        num_positives > 0)
+    others = tf.boolean_mask(distinct, ~is_positive)
+
+    def drawn():
+        ids = tf.concat([positives, others[:size - num_positives]], 0)
+        kept = tf.maximum(count, num_positives)
+        return ids, tf.range(size) < kept
+
+    def by_scores():  # too few distinct draws: far rarer than 1e-9 (direct_draws)
+        hits = tf.scatter_nd(positives[:, None], tf.ones_like(positives), [width]) > 0
+        fallback = sample_columns(hits, num_valid, rate, seed, size)
+        return fallback.ids, fallback.valid
+
+    ids, valid = tf.cond(tf.size(others) >= size - num_positives, drawn, by_scores)
+    ids = tf.ensure_shape(ids, [size])
+    order = tf.argsort(ids)
+    return SampledColumns(tf.gather(ids, order), tf.gather(tf.ensure_shape(valid, [size]),
+                                                           order), width)
 
 
 def sample_size(rate: float, num_valid: int, width: int, label_rows: Optional[int]) -> int:
@@ -143,8 +205,9 @@ def label_positions(local_labels: tf.Tensor, sample: Optional[SampledColumns],
     if sample is None:
         return tf.clip_by_value(local_labels, 0, width - 1)
     size = int(sample.ids.shape[0])
-    where = tf.scatter_nd(sample.ids[:, None], tf.range(size), [sample.width])
-    return tf.gather(where, tf.clip_by_value(local_labels, 0, sample.width - 1))
+    # ids are ascending and a label's id is there once: a search, not a [width] table
+    found = tf.searchsorted(sample.ids, tf.cast(local_labels, sample.ids.dtype))
+    return tf.clip_by_value(tf.cast(found, tf.int32), 0, size - 1)
 
 
 def sampled_label_columns(label_columns: tf.Tensor, sample: Optional[SampledColumns]) -> tf.Tensor:
