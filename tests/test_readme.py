@@ -204,3 +204,15 @@ def test_every_shown_command_names_a_module_and_its_flags():
             if not re.search(r"(?<![\w-])" + re.escape(flag) + r"(?![\w-])", module_help(owner)):
                 wrong.append(f"{page}: {command}: {flag} is not in owt_tf.{owner} --help")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_file_docs_design_names_exists():
+    """docs/design.md's map of the tree: each `dir/file.py` (or .md) it names is there,
+    from the repository, owt_tf/ or docs/."""
+    text = _read("docs/design.md")
+    named = set(re.findall(r"([A-Za-z_][\w.-]*(?:/[\w.-]+)+\.(?:py|md))", text))
+    assert len(named) > 40, named  # the map is read
+    missing = [path for path in sorted(named)
+               if not any(os.path.exists(os.path.join(ROOT, base, path))
+                          for base in ("", "owt_tf", "docs"))]
+    assert not missing, missing

@@ -57,10 +57,14 @@ def test_cli_trains_and_reports(tmp_path):
                            "--devices", "2", "--batch-size", "16"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^step 20/40: train loss [0-9.]+ \| val loss [0-9.]+ val top-1 error",
-                     proc.stdout, re.M), proc.stdout
-    done = re.search(r"^done: 40 steps .* val top-1 error ([0-9.]+)%", proc.stdout, re.M)
-    assert done and float(done.group(1)) < 90.0, proc.stdout
+    middle = re.search(r"^step 20/40: train loss [0-9.]+ \| val loss ([0-9.]+) val top-1 error",
+                       proc.stdout, re.M)
+    done = re.search(r"^done: 40 steps .* val top-1 error ([0-9.]+)% .* loss ([0-9.]+) \|",
+                     proc.stdout, re.M)
+    assert middle and done, proc.stdout
+    # 40 steps of 32 digits learn a little (84 % error, chance 90 %): the validation loss
+    # falls below chance's ln(10) by step 20 and further by step 40 (measured 2.29, 2.26)
+    assert float(done.group(2)) < float(middle.group(1)) < math.log(10), proc.stdout
 
 
 def test_learning_rate_schedule_reaches_the_optimizers(devices, tmp_path):

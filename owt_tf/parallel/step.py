@@ -1,7 +1,8 @@
 """What one replica does in a step: trunk forward, the FC rounds, trunk backward, updates.
 
 Both drivers call these functions inside `strategy.run`: the CLI's custom loop (through
-Engine.train_step) and Keras' `Model.fit` (through ParallelModel.train_step). They
+StepDriver.train_step, owt_tf.training.driver) and Keras' `Model.fit` (through
+ParallelModel.train_step). They
 differ only in what they pass in: how the trunk runs (with or without XLA), which
 optimizers apply the updates, and which loss the head computes.
 
