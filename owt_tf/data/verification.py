@@ -168,19 +168,25 @@ def _check_folds(count: int, folds: int) -> None:
                          "pass fewer folds")
 
 
+def _fold_counts(distances: np.ndarray, same: np.ndarray, folds: int,
+                 thresholds: np.ndarray):
+    """For each of `folds` contiguous folds: (its indices, `_counts` of the other folds)."""
+    _check_folds(len(distances), folds)
+    for held_out in _contiguous_folds(len(distances), folds):
+        train = np.ones(len(distances), dtype=bool)
+        train[held_out] = False
+        yield held_out, _counts(distances[train], same[train], thresholds)
+
+
 def grid_accuracy(distances: np.ndarray, same: np.ndarray, folds: int = FOLDS,
                   thresholds: np.ndarray = ACCURACY_THRESHOLDS) -> Tuple[float, float]:
     """(mean, std) over `folds` contiguous folds of the accuracy at the threshold of
     `thresholds` best on the other folds (the first of equals), InsightFace's
     `calculate_roc`: a pair is "same" when its squared distance is below the threshold."""
     distances, same = np.asarray(distances), np.asarray(same, dtype=bool)
-    _check_folds(len(distances), folds)
     accuracies = []
-    for held_out in _contiguous_folds(len(distances), folds):
-        train = np.ones(len(distances), dtype=bool)
-        train[held_out] = False
-        genuine_in, impostor_in, _, impostors = _counts(distances[train], same[train],
-                                                        thresholds)
+    for held_out, counts in _fold_counts(distances, same, folds, thresholds):
+        genuine_in, impostor_in, _, impostors = counts
         correct = genuine_in + (impostors - impostor_in)
         threshold = thresholds[int(np.argmax(correct))]
         called_same = distances[held_out] < threshold
@@ -197,12 +203,9 @@ def grid_tar_at_far(distances: np.ndarray, same: np.ndarray, far: float = 1e-3,
     reaches that FAR); the TAR of the held-out fold at it. NaN when a fold has no pair of
     the same person, or the train folds no impostor pair (InsightFace divides by zero)."""
     distances, same = np.asarray(distances), np.asarray(same, dtype=bool)
-    _check_folds(len(distances), folds)
     tars = []
-    for held_out in _contiguous_folds(len(distances), folds):
-        train = np.ones(len(distances), dtype=bool)
-        train[held_out] = False
-        _, impostor_in, _, impostors = _counts(distances[train], same[train], thresholds)
+    for held_out, (_, impostor_in, _, impostors) in _fold_counts(distances, same, folds,
+                                                                  thresholds):
         genuine_held_out = same[held_out]
         if impostors == 0 or not genuine_held_out.any():
             return float("nan"), float("nan")
