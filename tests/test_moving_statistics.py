@@ -1,8 +1,10 @@
 """BatchNormalization's moving statistics are one per model, as PyTorch DDP's
-broadcast_buffers keeps them for arcface_torch: after every step every replica holds the
-same (their mean over the replicas), for the CLI's Trainer and for `parallelize(model).fit`.
-So an image's embedding does not depend on the row or the replica that embeds it, and an
-export (one copy) embeds as the run does.
+broadcast_buffers keeps them for arcface_torch: whenever they are read (evaluation,
+features, a save, an export, the end of a fit) every replica holds the same, their mean over
+the replicas, which is what averaging after every step would give (the update is linear).
+For the CLI's Trainer and for `parallelize(model).fit`. So an image's embedding does not
+depend on the row or the replica that embeds it, and an export (one copy) embeds as the run
+does.
 
 Under plain MirroredStrategy each replica keeps its own (Keras creates them with
 aggregation NONE): on the code before this, `embed(x)` and `embed(x[::-1])[::-1]` differed
@@ -78,6 +80,55 @@ def test_fit_keeps_one_set_of_statistics_and_embeddings_do_not_depend_on_the_row
     exported = tf.saved_model.load(str(tmp_path / "export")).signatures["embeddings"]
     np.testing.assert_allclose(exported(images=tf.constant(rows))["embeddings"].numpy(),
                                embedded, atol=1e-5)
+
+
+def _moments(x):
+    """What Keras' BatchNormalization takes from a batch in training: biased moments over
+    every axis but the last."""
+    axes = tuple(range(x.ndim - 1))
+    return x.mean(axes), x.var(axes)
+
+
+def test_statistics_equal_the_mean_over_replicas_of_each_steps_update(devices):
+    """A reference in numpy: with a learning rate of 0 the weights stay, so each replica's
+    batch statistics at each step are those of its 8 rows through the initial model; the
+    moving statistics must be m <- mu m + (1 - mu) mean over replicas of them, at every
+    BatchNormalization (on the code before this, each replica held its own rows' update)."""
+    steps = 3
+    x = _images(steps * K * BATCH, 0)
+    y = np.random.default_rng(1).integers(0, 12, len(x)).astype(np.int32)
+    model = _bn_face_net()
+    initial = model.get_weights()
+    # the inputs of the two BatchNormalization layers, in training mode, by a plain copy
+    plain = keras.models.clone_model(model)
+    plain.set_weights(initial)
+    bn_inputs = keras.Model(plain.input, [plain.get_layer("bn1").input,
+                                          plain.get_layer("bn2").input])
+    expected = {name: [np.asarray(plain.get_layer(name).moving_mean),
+                       np.asarray(plain.get_layer(name).moving_variance)]
+                for name in ("bn1", "bn2")}
+    for step in range(steps):
+        replicas = [bn_inputs(x[(step * K + r) * BATCH:(step * K + r + 1) * BATCH],
+                              training=True) for r in range(K)]
+        for i, name in enumerate(("bn1", "bn2")):
+            momentum = plain.get_layer(name).momentum
+            moments = [_moments(np.asarray(outs[i], np.float64)) for outs in replicas]
+            for j in range(2):
+                batch = np.mean([m[j] for m in moments], axis=0)
+                expected[name][j] = momentum * expected[name][j] + (1 - momentum) * batch
+
+    strategy = owt_tf.HybridStrategy(devices=devices[:K], scheme="owt-b")
+    with strategy.scope():
+        parallel = owt_tf.parallelize(model, seed=0)
+        parallel.compile(optimizer=keras.optimizers.SGD(0.0), loss=ArcFace())
+    parallel.fit(x, y, batch_size=K * BATCH, epochs=1, shuffle=False, verbose=0)
+    _assert_one_copy(strategy.strategy, parallel.trunk)
+    for name in ("bn1", "bn2"):
+        layer = parallel.trunk.get_layer(name)
+        np.testing.assert_allclose(np.asarray(layer.moving_mean), expected[name][0],
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(layer.moving_variance), expected[name][1],
+                                   rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -252,12 +252,22 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
         train = self._fed(train, kwargs, "steps_per_epoch")
         with keras_callbacks.chief_writes_files(kwargs.pop("callbacks", None),
                                                 self._hybrid.placement.is_chief) as callbacks:
-            return super().fit(train, epochs=epochs, validation_data=validation_data,
-                               shuffle=False, callbacks=callbacks, **kwargs)
+            history = super().fit(train, epochs=epochs, validation_data=validation_data,
+                                  shuffle=False, callbacks=callbacks, **kwargs)
+        self._average_statistics()
+        return history
+
+    def _average_statistics(self) -> None:
+        """One set of BatchNormalization moving statistics on every replica (their mean),
+        before anything reads them: evaluate, predict, get_weights, a save, an export, the
+        end of fit (owt_tf.parallel.step.TrunkRunner.average_statistics says why not in
+        the step)."""
+        self._trunk_runner.average_statistics(self._hybrid.placement.run)
 
     @_releasing_traced_gradients
     def evaluate(self, x=None, y=None, batch_size=None, sample_weight=None, **kwargs):
         """Keras' evaluate over every row (the last batch padded with rows marked invalid)."""
+        self._average_statistics()
         if kwargs.get("_use_cached_eval_dataset"):  # fit's validation: already padded
             return super().evaluate(x, y, **kwargs)
         data = keras_data.padded_batches(x, y, batch_size, self._hybrid.num_replicas, True,
@@ -273,6 +283,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
         each row's top_k classes, found from each shard's own candidates without gathering
         the [rows, classes] outputs. `embeddings`: each row's L2-normalised input of the
         class layer (what a face model keeps), computed data-parallel: no shard is read."""
+        self._average_statistics()
         data = keras_data.padded_batches(x, None, batch_size, self._hybrid.num_replicas, False)
         if embeddings and top_k is not None:
             raise ValueError("predict: top_k or embeddings, not both")
@@ -328,6 +339,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
     @_releasing_traced_gradients
     def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
         """Keras' test_on_batch over every row of (x, y), each replica taking its own rows."""
+        self._average_statistics()
         data = keras_data.padded_batches(x, y, len(x), self._hybrid.num_replicas, True,
                                          sample_weight)
         return self._one_batch("test_function", self.make_test_function, data, return_dict)

@@ -113,6 +113,7 @@ class SavingMixin:
     def get_weights(self) -> List[np.ndarray]:
         """The trunk's weights, then each head layer's kernel and bias, whole (the order of
         the user's model when its head is last); EarlyStopping's restore_best_weights uses it."""
+        self._average_statistics()
         return self.trunk.get_weights() + [w for ws in self._layer_weights() for w in ws]
 
     def set_weights(self, weights) -> None:
@@ -131,6 +132,7 @@ class SavingMixin:
         head layers are built on zeros (no random draw to throw away) and filled shard by
         shard: besides the model itself, no whole copy of the head is made (in a cluster
         the shards are gathered whole, as every worker must take part)."""
+        self._average_statistics()
         source = json.loads(self._source_json)
         plain = outside_strategy_scope(lambda: _deserialize_with_zero_head(source,
                                                                           self._dense_names))
@@ -161,6 +163,7 @@ class SavingMixin:
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Keras' save_weights (each FC layer and its slots whole: save_own_variables); in a
         cluster only the chief's file is kept."""
+        self._average_statistics()
         with keras_callbacks.chief_path(filepath, self._hybrid.placement.is_chief) as path:
             return super().save_weights(path, overwrite=overwrite, **kwargs)
 
@@ -200,6 +203,7 @@ class SavingMixin:
 
     def _plain_trunk(self) -> keras.Model:
         """The trunk (a cosine head's embedding) as a one-device model with these weights."""
+        self._average_statistics()
         trunk = outside_strategy_scope(lambda: keras.models.clone_model(self.trunk))
         trunk.set_weights(self.trunk.get_weights())
         return trunk

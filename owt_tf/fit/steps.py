@@ -70,7 +70,7 @@ class StepsMixin:
             step = replica_train_step(rounds, self.head, self._trunk_runner.forward(True),
                                       trunk_vars, x, y, seed, updates.trunk, updates.fc,
                                       None if scaler is None else scaler.dynamic_scale.value,
-                                      weights, self._trunk_runner.moving_statistics)
+                                      weights)
             updates.finish(shard_index(rounds))
         result = step.rounds
         loss = result.loss_sum / result.count

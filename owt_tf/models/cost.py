@@ -9,7 +9,6 @@ Building the trunk imports TensorFlow; importing this module does not.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Optional, Sequence
 
 from owt_tf.models.registry import build_model
@@ -23,8 +22,6 @@ class NetworkShape:
     features: int
     hidden: Sequence[int]
     num_classes: int
-    # BatchNormalization's moving means and variances (averaged over replicas every step)
-    moving_stats: int = 0
 
     @property
     def fc_params(self) -> int:
@@ -104,11 +101,7 @@ def trunk_cost(trunk, features: int, head) -> NetworkCost:
     for i, width in enumerate(head.widths):
         layers.append(LayerCost(f"fc{i + 1}", "fc", 2 * fan_in * width, width, fan_in * width + width))
         fan_in = width
-    from owt_tf.models.layers import moving_statistics  # Keras: only once a trunk is built
-
-    moving = sum(math.prod(v.shape) for v in moving_statistics(trunk))
-    shape = NetworkShape(trunk.count_params(), features, tuple(head.hidden), head.num_classes,
-                         moving)
+    shape = NetworkShape(trunk.count_params(), features, tuple(head.hidden), head.num_classes)
     return NetworkCost(layers, shape)
 
 

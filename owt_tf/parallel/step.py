@@ -10,7 +10,9 @@ optimizers apply the updates, and which loss the head computes.
     rounds      = run_fc_rounds(...)                   the scheme's exchanges + FC shards
     trunk grads = d activations^T . activation_grad    back through the trunk
     apply_trunk(trunk grads)                           all-reduced by the trunk's optimizer
-    average_moving_statistics(...)                     BatchNormalization's, one per model
+
+BatchNormalization's moving statistics are not averaged in the step: TrunkRunner's
+`average_statistics` makes them one set whenever they are read (see its docstring).
 """
 from __future__ import annotations
 
@@ -56,6 +58,28 @@ class TrunkRunner:
         self.jit = jit
         self._compiled: Dict[Tuple[bool, int], Callable] = {}
         self.moving_statistics = moving_statistics(trunk)
+        self._average: Optional[Callable[[], None]] = None
+
+    def average_statistics(self, run: Callable) -> None:
+        """Makes the trunk's BatchNormalization moving statistics one set: every replica's
+        copy becomes their mean over the replicas. `run`: Placement.run. Called wherever
+        the statistics are read (evaluation, features, export, a checkpoint, the end of a
+        fit), on every worker of a cluster (a collective).
+
+        Under MirroredStrategy each replica's step updates its own copy from its own rows
+        (Keras creates them with aggregation NONE, tensorflow/tensorflow#46488), so an
+        image's embedding would depend on the replica that embeds it, and an export (one
+        copy) would differ from the run. The update is linear (m <- mu m + (1 - mu) b, with
+        b the batch's statistic, which does not depend on m), so the replicas' mean after n
+        steps is what averaging after every step would hold (PyTorch DDP keeps one set by
+        broadcasting rank 0's every step): one set from every replica's rows, with no
+        collective in the step."""
+        if not self.moving_statistics:
+            return
+        if self._average is None:
+            statistics = self.moving_statistics
+            self._average = tf.function(lambda: run(lambda: average_moving_statistics(statistics)))
+        self._average()
 
     def forward(self, training: bool) -> TrunkForward:
         trunk = self.trunk
@@ -78,29 +102,12 @@ class TrunkRunner:
         return with_regularization
 
 
-def average_moving_statistics(statistics: Sequence[tf.Variable],
-                              after: Sequence[tf.Tensor] = ()) -> None:
+def average_moving_statistics(statistics: Sequence[tf.Variable]) -> None:
     """Sets every replica's moving statistics to their mean over the replicas (call inside
-    strategy.run, after the training forward pass updated them), once `after` is computed.
-
-    Under MirroredStrategy each replica updates its own copy from its own rows (Keras
-    creates them with aggregation NONE, tensorflow/tensorflow#46488), so an image's
-    embedding would depend on the replica that embeds it, and an export (one replica's
-    copy) would differ from the run. PyTorch DDP keeps one set by broadcasting rank 0's
-    (broadcast_buffers); the mean keeps one set and uses every replica's rows. One
-    all-reduce of all statistics, packed.
-
-    `after`: what the all-reduce must wait for. The statistics are ready once the forward
-    pass ends, before the step's other collectives (the FC exchanges, the trunk's gradient
-    all-reduce) have run; nothing would then order this one among them, and a blocking
-    collective that two replicas reach in different orders can hold every inter-op thread
-    of a small host. Waiting for the trunk's updated weights puts it last, after all of
-    them, on every replica."""
+    strategy.run). One all-reduce of all statistics, packed."""
     if not statistics or coll.num_replicas() == 1:
         return
-    with tf.control_dependencies(list(after)):
-        values = [tf.identity(v.value if isinstance(v, keras.Variable) else v)
-                  for v in statistics]
+    values = [tf.identity(v.value if isinstance(v, keras.Variable) else v) for v in statistics]
     packed = tf.concat([tf.reshape(v, [-1]) for v in values], 0)
     mean = coll.all_reduce_sum(packed, ledger.MOVING_STATS) / coll.num_replicas()
     sizes = [int(v.shape.num_elements()) for v in values]
@@ -133,13 +140,11 @@ def replica_train_step(rounds: StepRounds, head: ShardedHead, trunk_forward: Tru
                        trunk_variables: Sequence[tf.Variable], images: tf.Tensor,
                        labels: tf.Tensor, seed: Optional[tf.Tensor], apply_trunk: ApplyTrunk,
                        apply_fc: ApplyFc, loss_scale: Optional[tf.Tensor] = None,
-                       row_weights: Optional[List[tf.Tensor]] = None,
-                       statistics: Sequence[tf.Variable] = ()) -> ReplicaStep:
+                       row_weights: Optional[List[tf.Tensor]] = None) -> ReplicaStep:
     """One optimizer step of this replica (call inside strategy.run). With a `loss_scale`
     (fp16), gradients are taken of the loss times it and unscaled before they are applied.
     `row_weights` (per round, schemes.round_weights): each example's loss is multiplied by
-    its row's weight. `statistics`: the trunk's moving statistics (TrunkRunner's), averaged
-    over the replicas once the forward pass has updated them."""
+    its row's weight."""
     shard = shard_index(rounds)
     with tf.GradientTape() as trunk_tape:
         activations, trunk_loss = trunk_forward(images)
@@ -160,8 +165,6 @@ def replica_train_step(rounds: StepRounds, head: ShardedHead, trunk_forward: Tru
     grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, trunk_variables)]
     grads = unscaled(grads, loss_scale)
     apply_trunk(grads)
-    # the trunk's weights read after their update: the statistics' all-reduce comes last
-    average_moving_statistics(statistics, [tf.identity(v) for v in trunk_variables[:1]])
     return ReplicaStep(result, grads, trunk_loss)
 
 

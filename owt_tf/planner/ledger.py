@@ -30,7 +30,7 @@ LOGITS = "logits"  # logits gathered for the loss, or the sharded loss's reducti
 LABELS = "labels"  # labels of the examples the FC layers see
 CONV_GRAD = "conv_grad"  # all-reduce of trunk gradients
 FC_GRAD = "fc_grad"  # all-reduce of FC gradients (pure data parallelism only)
-MOVING_STATS = "moving_stats"  # BatchNormalization's moving statistics, averaged over replicas
+MOVING_STATS = "moving_stats"  # BatchNormalization's moving statistics: averaged when read, not in a step
 PURPOSES = (ACTIVATIONS, FC_EXCHANGE, LOGITS, LABELS, CONV_GRAD, FC_GRAD, MOVING_STATS)
 
 

@@ -66,8 +66,6 @@ def step_transfers(net: NetworkShape, scheme: str, k: int, batch_size: int,
     if k == 1:
         return []
     out = [Transfer(ledger.CONV_GRAD, _reduce(net.trunk_params * F32, k), 1)]
-    if net.moving_stats:
-        out.append(Transfer(ledger.MOVING_STATS, _reduce(net.moving_stats * F32, k), 1))
     scheme = Scheme(scheme)
     if scheme is Scheme.DATA:
         return out + [Transfer(ledger.FC_GRAD, _reduce(net.fc_params * F32, k), 1)]

@@ -131,8 +131,7 @@ class StepDriver:
 
         step = replica_train_step(self.rounds, model.head, model.trunk_runner.forward(True),
                                   trunk_vars, images, labels, seed, optim.trunk.apply,
-                                  optim.fc.apply, loss_scale,
-                                  statistics=model.trunk_runner.moving_statistics)
+                                  optim.fc.apply, loss_scale)
         rounds, trunk_grads = step.rounds, step.trunk_grads
         # The numerical guard's input: is each of these finite on this replica (names:
         # finite_check_names). Checked here, where every gradient exists, for one pass each.

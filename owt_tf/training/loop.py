@@ -256,8 +256,19 @@ class Trainer:
         self.skipped_images.assign_add(unreadable)
         self.data_position.assign(after)
 
+    def average_moving_statistics(self) -> None:
+        """One set of BatchNormalization moving statistics on every replica (their mean),
+        before anything reads them: evaluation, features, a checkpoint, an export
+        (owt_tf.parallel.step.TrunkRunner.average_statistics says why not in the step)."""
+        self.model.trunk_runner.average_statistics(self.hybrid.placement.run)
+
+    def _save_checkpoint(self, step: int):
+        self.average_moving_statistics()
+        return self.checkpoints.save(step)
+
     def evaluate(self) -> EvalMetrics:
         """Loss and top-1/top-5 error over the whole validation split."""
+        self.average_moving_statistics()
         totals = {"loss_sum": 0.0, "correct": 0, "correct_top5": 0, "count": 0}
         for images, labels in self._validation_input():
             out = self._eval_fn(images, labels)
@@ -283,6 +294,7 @@ class Trainer:
     def _by_global_batches(self, fn, images: np.ndarray) -> np.ndarray:
         """`fn` of distributed global batches of `images`, eval-preprocessed (the last batch
         padded, the padding dropped)."""
+        self.average_moving_statistics()
         return by_global_batches(fn, images, self.config.global_batch_size,
                                  self.spec.input_shape[:2], self.dataset,
                                  self.hybrid.placement.distribute_global_batch,
@@ -337,7 +349,7 @@ class Trainer:
             try:
                 history = self._train_steps(first, steps, summaries, bar, val_history, log)
                 wall = time.perf_counter() - started
-                saved = self.checkpoints.save(steps)
+                saved = self._save_checkpoint(steps)
                 ev, verified = self._validate(steps, summaries, val_history)
                 self._export(log)
                 self.hybrid.placement.wait_for_workers("fit_end")
@@ -378,6 +390,7 @@ class Trainer:
         FC shards)."""
         if not self.config.run.export_dir:
             return
+        self.average_moving_statistics()
         if not self.hybrid.placement.is_chief:
             self.model.full_weights()
             return
@@ -397,11 +410,11 @@ class Trainer:
                     f"({int(self.skipped_steps)} of {config.run.skip_nonfinite} skips used)")
             bar.update(i, [("loss", m.loss), ("error", m.top1_error), ("img/s", m.images_per_sec)])
             if m.stop:
-                saved = self.checkpoints.save(i)
+                saved = self._save_checkpoint(i)
                 # In a cluster a worker may stop for another worker's signal (signum None).
                 raise Interrupted(self.policy.signals.signum, i, saved, self.logdir)
             if config.run.checkpoint_every and i % config.run.checkpoint_every == 0 and i < steps:
-                self.checkpoints.save(i)
+                self._save_checkpoint(i)
             if config.run.eval_every and i % config.run.eval_every == 0 and i < steps:
                 ev, verified = self._validate(i, summaries, val_history)
                 pairs = (f" | verification {verification_text(verified, self.highest_verification)}"
