@@ -38,6 +38,8 @@ from typing import Any, Dict
 import keras
 from keras import ops
 
+from owt_tf.models.face import DEFAULT_MARGINS, MARGIN_RANGES
+
 
 def _check_in_range(name: str, value: float, low: float, high: float, hint: str,
                     low_inclusive: bool = True) -> None:
@@ -52,9 +54,10 @@ def _check_margins(scale: float, m1: float, m2: float, m3: float) -> None:
     _check_in_range("scale", scale, 0, math.inf, "pass e.g. scale=64.0", low_inclusive=False)
     _check_in_range("m1 (multiplicative angular margin)", m1, 0, math.inf,
                     "pass m1=1.0 for none", low_inclusive=False)
-    _check_in_range("m2 (additive angular margin, radians)", m2, 0, math.pi / 2,
-                    "ArcFace uses 0.5")
-    _check_in_range("m3 (additive cosine margin)", m3, 0, 1, "CosFace uses 0.35")
+    _check_in_range("m2 (additive angular margin, radians)", m2, *MARGIN_RANGES["arcface"],
+                    f"ArcFace uses {DEFAULT_MARGINS['arcface']}")
+    _check_in_range("m3 (additive cosine margin)", m3, *MARGIN_RANGES["cosface"],
+                    f"CosFace uses {DEFAULT_MARGINS['cosface']}")
 
 
 @keras.saving.register_keras_serializable(package="owt_tf")
@@ -132,10 +135,11 @@ class MarginSoftmax(keras.losses.Loss):
 class ArcFace(MarginSoftmax):
     """Additive angular margin: s * cos(theta_y + margin) at the label (Deng et al. 2019)."""
 
-    def __init__(self, scale: float = 64.0, margin: float = 0.5,
+    def __init__(self, scale: float = 64.0, margin: float = DEFAULT_MARGINS["arcface"],
                  reduction: str = "sum_over_batch_size", name: str = "arcface",
                  interclass_filtering_threshold: float = 0.0) -> None:
-        _check_in_range("margin (radians)", margin, 0, math.pi / 2, "ArcFace uses 0.5")
+        _check_in_range("margin (radians)", margin, *MARGIN_RANGES["arcface"],
+                        f"ArcFace uses {DEFAULT_MARGINS['arcface']}")
         super().__init__(scale=scale, m2=margin, reduction=reduction, name=name,
                          interclass_filtering_threshold=interclass_filtering_threshold)
         self.margin = float(margin)
@@ -151,10 +155,11 @@ class CosFace(MarginSoftmax):
     """Additive cosine margin: s * (cos(theta_y) - margin) at the label (Wang et al. 2018).
     The paper's margin is 0.35; arcface_torch's configs use 0.4."""
 
-    def __init__(self, scale: float = 64.0, margin: float = 0.35,
+    def __init__(self, scale: float = 64.0, margin: float = DEFAULT_MARGINS["cosface"],
                  reduction: str = "sum_over_batch_size", name: str = "cosface",
                  interclass_filtering_threshold: float = 0.0) -> None:
-        _check_in_range("margin", margin, 0, 1, "CosFace uses 0.35")
+        _check_in_range("margin", margin, *MARGIN_RANGES["cosface"],
+                        f"CosFace uses {DEFAULT_MARGINS['cosface']}")
         super().__init__(scale=scale, m3=margin, reduction=reduction, name=name,
                          interclass_filtering_threshold=interclass_filtering_threshold)
         self.margin = float(margin)

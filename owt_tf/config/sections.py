@@ -9,9 +9,9 @@ Pure Python: the CLI builds its parser from these before TensorFlow loads.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
+from owt_tf.models.face import DEFAULT_MARGINS
 from owt_tf.runtime.cluster import DEVICE_TYPES, Cluster
 from owt_tf.config.flags import as_flag_error, flag, parse_decay_epochs, parse_profile_steps
 from owt_tf.planner.plan import AUTO, ParallelPlan
@@ -26,10 +26,6 @@ AUGMENTATIONS = ("auto", "alexnet", "crop", "none")
 # the logits; arcface / cosface: a margin softmax of a cosine class layer (owt_tf.losses).
 OBJECTIVES = ("softmax", "arcface", "cosface")
 MARGIN_OBJECTIVES = OBJECTIVES[1:]
-# Each margin objective's default margin and its range [low, high) (owt_tf.losses checks
-# the same): ArcFace's angle in radians, CosFace's cosine.
-DEFAULT_MARGINS = {"arcface": 0.5, "cosface": 0.35}
-MARGIN_RANGES = {"arcface": (0.0, math.pi / 2), "cosface": (0.0, 1.0)}
 
 
 @dataclasses.dataclass(frozen=True)

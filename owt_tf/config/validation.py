@@ -11,7 +11,8 @@ import os
 
 from owt_tf.config.flags import (ConfigError, as_flag_error, check_choice, check_decay_epochs,
                                  check_positive_int, check_profile_steps, flag_text)
-from owt_tf.config.sections import FLAG_FIELDS, MARGIN_OBJECTIVES, MARGIN_RANGES, flag_metadata
+from owt_tf.config.sections import FLAG_FIELDS, MARGIN_OBJECTIVES, flag_metadata
+from owt_tf.models.face import MARGIN_RANGES
 from owt_tf.planner.plan import AUTO, Scheme, check_auto_processes, sampling_problem, widths_problem
 
 

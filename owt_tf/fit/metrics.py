@@ -1,10 +1,8 @@
 """What a Keras compile can compute on the FC shards, and Keras' metrics fed from them.
 
-Loss: Keras' sparse and categorical cross-entropies are exact on the shards (the softmax
-normalizer and the label term are sums over classes: all-reduced, owt_tf.parallel.head.loss)
-when they read logits: `from_logits=True` on a linear head, or `from_logits=False` after a
-softmax output (Keras then reads the softmax's own logits). `ShardedLoss` says which labels
-and what label smoothing.
+Loss: which Keras losses the shards compute, and why others are refused, is the head's loss
+module's (owt_tf.parallel.head.loss.sharded_loss); a compile's loss goes on the shards when
+its metrics can be served from them too (`loss_on_shards`).
 
 Metrics: each shard sends its top-k logits and their class ids ([rows, 2k] per shard
 instead of [rows, classes / K]); the union over shards holds the global top-k. Keras'
@@ -20,8 +18,8 @@ from typing import Callable, Optional, Sequence, Tuple
 import keras
 import tensorflow as tf
 
-from owt_tf.losses import MarginSoftmax
-from owt_tf.parallel.head.metrics import LOWEST, MAX_CLASSES, ShardedLoss, TopCandidates
+from owt_tf.parallel.head.candidates import LOWEST, TopCandidates
+from owt_tf.parallel.head.loss import ShardedLoss, sharded_loss
 
 _ACCURACY_CLASSES = (keras.metrics.SparseCategoricalAccuracy, keras.metrics.CategoricalAccuracy)
 _TOP_K_CLASSES = (keras.metrics.SparseTopKCategoricalAccuracy,
@@ -30,53 +28,6 @@ _ACCURACY_FUNCTIONS = (keras.metrics.sparse_categorical_accuracy,
                        keras.metrics.categorical_accuracy)
 _TOP_K_FUNCTIONS = (keras.metrics.sparse_top_k_categorical_accuracy,
                     keras.metrics.top_k_categorical_accuracy)
-
-
-def _cross_entropy(loss) -> Tuple[Optional[bool], dict]:
-    """(sparse?, config) of a Keras cross-entropy given as a string, function or object;
-    (None, {}) for another loss."""
-    if isinstance(loss, str):
-        try:
-            loss = keras.losses.get(loss)
-        except ValueError:
-            return None, {}
-    if loss is keras.losses.sparse_categorical_crossentropy:
-        return True, {}
-    if loss is keras.losses.categorical_crossentropy:
-        return False, {}
-    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
-        return True, loss.get_config()
-    if isinstance(loss, keras.losses.CategoricalCrossentropy):
-        return False, loss.get_config()
-    return None, {}
-
-
-def sharded_loss(loss, output_activation: Optional[str], num_classes: int,
-                 cosine: bool = False) -> Tuple[Optional[ShardedLoss], str]:
-    """(the ShardedLoss that equals the compiled `loss` on this head, "") or (None, why not).
-    A margin loss (owt_tf.losses.MarginSoftmax) on a cosine class layer is computed on the
-    shards: each shard scales its own cosines, the margin on the label's shard."""
-    if num_classes < 2 or num_classes >= MAX_CLASSES:
-        return None, f"a head of {num_classes} classes"
-    if isinstance(loss, MarginSoftmax):
-        if not cosine:
-            return None, "a margin loss needs a cosine class layer"
-        return ShardedLoss(sparse=True, margin=loss), ""
-    sparse, config = _cross_entropy(loss)
-    if sparse is None:
-        name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(
-            loss, "__name__", type(loss).__name__)
-        return None, f"loss {name!r} is not a categorical cross-entropy"
-    from_logits = bool(config.get("from_logits", False))
-    activation = output_activation or "linear"
-    if from_logits != (activation == "linear") or activation not in ("linear", "softmax"):
-        return None, (f"a cross-entropy with from_logits={from_logits} on a {activation} "
-                      "output does not read the logits")
-    if config.get("ignore_class") is not None:
-        return None, "ignore_class is set"
-    if config.get("axis", -1) != -1:
-        return None, f"the loss's axis is {config['axis']}"
-    return ShardedLoss(sparse, float(config.get("label_smoothing", 0.0))), ""
 
 
 def _metric_k(metric) -> Tuple[Optional[int], str]:

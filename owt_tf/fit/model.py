@@ -48,7 +48,7 @@ from owt_tf.fit.view import HeadViewMixin
 from owt_tf.losses import MarginSoftmax
 from owt_tf.models.split import KerasSplit
 from owt_tf.parallel.gradients import TracedGradients
-from owt_tf.parallel.head.layout import HeadLoss
+from owt_tf.parallel.head.loss import HeadLoss
 from owt_tf.parallel.step import TrunkRunner
 from owt_tf.parallel.strategy import HybridStrategy
 from owt_tf.planner.plan import sampling_problem
@@ -173,7 +173,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
 
     def _loss_placement(self, loss, metrics, weighted_metrics):
         """(ShardedLoss, candidates per shard): the loss and metrics computed on the shards,
-        never gathering the logits, whenever that is exact (owt_tf.parallel.head.metrics),
+        never gathering the logits, whenever that is exact (owt_tf.parallel.head.loss),
         else (None, 0). HybridStrategy(loss='sharded') insists on it, unless the planner
         chose it (scheme='auto': the compiled loss was not known then)."""
         spec = self.head.spec

@@ -14,7 +14,8 @@ from owt_tf.fit.metrics import join_rounds, map_rows, metric_inputs
 from owt_tf.fit.updates import StepUpdates
 from owt_tf.models.signatures import embedding_outputs
 from owt_tf.parallel import collectives as coll
-from owt_tf.parallel.head.forward import forward, outputs as head_outputs
+from owt_tf.parallel.head.forward import forward
+from owt_tf.parallel.head.loss import outputs as head_outputs
 from owt_tf.parallel.head.loss import top_k_outputs
 from owt_tf.parallel.schemes import round_weights
 from owt_tf.parallel.step import (replica_eval_terms, replica_logit_shard, replica_train_step,

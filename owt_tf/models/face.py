@@ -27,9 +27,18 @@ Keras loads only when a trunk is built, as in alexnet.py.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from owt_tf.models.spec import HeadSpec, ModelSpec
+
+
+# The margin objectives face models train with (owt_tf.losses' ArcFace and CosFace, and
+# --margin's check, take them from here; no TensorFlow, the flag parser reads them): each
+# margin's default and its valid range [low, high). ArcFace's margin is an angle in
+# radians; CosFace's is subtracted from the cosine.
+DEFAULT_MARGINS = {"arcface": 0.5, "cosface": 0.35}
+MARGIN_RANGES = {"arcface": (0.0, math.pi / 2), "cosface": (0.0, 1.0)}
 
 IRESNET_WIDTHS = (64, 128, 256, 512)
 IRESNET18_BLOCKS = (2, 2, 2, 2)

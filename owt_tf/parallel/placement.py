@@ -25,7 +25,8 @@ from owt_tf.parallel import collectives as coll
 from owt_tf.planner.plan import ParallelPlan, PlanError, sampling_problem
 from owt_tf.parallel.precision import keras_policy
 from owt_tf.parallel.step import TrunkRunner
-from owt_tf.parallel.head.layout import HeadLoss, ShardedHead, ShardReader, read_local_shards
+from owt_tf.parallel.head.layout import ShardedHead, ShardReader, read_local_shards
+from owt_tf.parallel.head.loss import HeadLoss
 
 
 @dataclasses.dataclass

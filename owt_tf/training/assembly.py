@@ -8,8 +8,7 @@ from typing import Optional
 
 from owt_tf.config import ConfigError, RunConfig
 from owt_tf.models import build_model
-from owt_tf.parallel.head.layout import HeadLoss
-from owt_tf.parallel.head.metrics import ShardedLoss
+from owt_tf.parallel.head.loss import HeadLoss, margin_head_loss
 
 
 def model_spec(config: RunConfig, num_classes: Optional[int]):
@@ -58,13 +57,7 @@ def head_loss(config: RunConfig) -> Optional[HeadLoss]:
     margin = margin_loss(config)
     if margin is None:
         return None
-    p = config.parallel
-
-    def per_example(labels, cosines):
-        return margin.call(labels, cosines)
-
-    return HeadLoss(p.loss, ShardedLoss(sparse=True, margin=margin), per_example=per_example,
-                    sample_rate=p.sample_rate)
+    return margin_head_loss(margin, config.parallel.loss, config.parallel.sample_rate)
 
 
 def choose_scheme(hybrid, spec, config: RunConfig) -> RunConfig:

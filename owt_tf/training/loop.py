@@ -3,10 +3,9 @@
 The step is one tf.function around the step driver's train_step (the distribution lives in
 owt_tf.parallel); this module owns the order of things: assembly of the run, data, steps,
 validation, checkpoints, export and the final summary. What becomes of a step once it ran
-(undo, loss-scale overflow, agreement across workers) is owt_tf.training.step_policy.
-
-Its parts are modules of their own: the model's spec (assembly), this process's rows of
-the input (input), the step driver (driver), what a run reports (report).
+(undo, loss-scale overflow, agreement across workers) is owt_tf.training.step_policy. Its
+parts: the model's spec (assembly), this process's input rows (input), the step driver
+(driver), what a run reports (report).
 """
 from __future__ import annotations
 
@@ -153,7 +152,8 @@ class Trainer:
         # once traced (owt_tf.parallel.gradients): the functions keep their graphs.
         self._traced_gradients = TracedGradients(self)
         self._train_fn = tf.function(self._traced(self._train_step))
-        self._eval_fn = tf.function(self._traced(self._eval_step))
+        self._eval_fn = tf.function(self._traced(
+            lambda images, labels: self.driver.eval_step(self.model, images, labels)))
         self._predict_fn = tf.function(self._traced(
             lambda images: self.driver.predict_step(self.model, images)))
         self._features_fn = tf.function(self._traced(
@@ -214,9 +214,6 @@ class Trainer:
     def _finish_images(self, images):  # on a replica's device (a streamed batch: DeviceBatch)
         return finish_images(images, self.dataset.mean, self.dataset.std)
 
-    def _eval_step(self, images, labels):
-        return self.driver.eval_step(self.model, images, labels)
-
     def train_step(self, with_grads: bool = False) -> StepMetrics:
         """Runs one step on the next global batch (with whole-model gradients if asked)."""
         start = time.perf_counter()
@@ -227,8 +224,9 @@ class Trainer:
         out = self._train_fn(images, labels, with_grads)
         self._traced_gradients.release()
         outcome = self.policy.after_step(int(self.step), out["finite"].numpy(),
-                                         self._stream_end(positions), unreadable)
-        self._advance_data_position(outcome.end, outcome.unreadable)
+                                         stream_end(self.hybrid.placement, positions), unreadable)
+        self.skipped_images.assign_add(outcome.unreadable)
+        self.data_position.assign(outcome.end)
         count = int(out["count"])
         loss = float(out["loss_sum"]) / count
         seconds = time.perf_counter() - start
@@ -247,19 +245,9 @@ class Trainer:
         self.batch_images += batch
         return int(np.count_nonzero(failed))
 
-    def _stream_end(self, positions) -> int:
-        return stream_end(self.hybrid.placement, positions)
-
-    def _advance_data_position(self, after: int, unreadable: int) -> None:
-        """Moves the saved stream position past this batch (positions have no gaps: an
-        unreadable image's row is filled in place) and counts its unreadable images."""
-        self.skipped_images.assign_add(unreadable)
-        self.data_position.assign(after)
-
     def average_moving_statistics(self) -> None:
-        """One set of BatchNormalization moving statistics on every replica (their mean),
-        before anything reads them: evaluation, features, a checkpoint, an export
-        (owt_tf.parallel.step.TrunkRunner.average_statistics says why not in the step)."""
+        """BatchNormalization's moving statistics made one set (TrunkRunner.average_statistics):
+        before evaluation, features, a checkpoint or an export reads them."""
         self.model.trunk_runner.average_statistics(self.hybrid.placement.run)
 
     def _save_checkpoint(self, step: int):

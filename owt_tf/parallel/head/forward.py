@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import keras
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
-
-from owt_tf.planner import ledger
+from owt_tf.parallel.head.exchange import exchange, gather
 from owt_tf.parallel.head.layout import COL, ROW, SampledRows, ShardedHead
 from owt_tf.parallel.head.rounds import joined_rows
 
@@ -71,31 +69,8 @@ def _product(layer, xs: Sequence[tf.Tensor], k: Optional[int], rounds: Optional[
     return joined_rows(zs)
 
 
-def outputs(head: ShardedHead, logits: tf.Tensor) -> tf.Tensor:
-    """What the model outputs for these (unpadded) logits: themselves, their softmax or
-    their sigmoid. Keras' softmax and sigmoid keep the logits on their result, so Keras'
-    cross-entropies on it are computed from the logits, as for the user's own model. Float32, whatever the
-    compute dtype (Keras' mixed-precision rule for a model's outputs)."""
-    logits = tf.cast(logits, tf.float32)
-    if head.spec.output_activation == "softmax":
-        return keras.activations.softmax(logits, axis=-1)
-    if head.spec.output_activation == "sigmoid":
-        return keras.activations.sigmoid(logits)
-    return logits
-
-
 def _activate(head, i: int, z: tf.Tensor) -> tf.Tensor:
     return tf.nn.relu(z) if head.spec.hidden_activation(i) == "relu" else z
-
-
-def exchange(head, op, t: tf.Tensor, purpose: str = ledger.FC_EXCHANGE) -> tf.Tensor:
-    """`op(t, purpose)`, a collective between the shards; t itself with one shard."""
-    return t if head.num_shards == 1 else op(t, purpose)
-
-
-def gather(head, t: tf.Tensor, purpose: str = ledger.FC_EXCHANGE) -> tf.Tensor:
-    """Every shard's columns of these rows, all-gathered (t itself with one shard)."""
-    return exchange(head, lambda v, p: coll.all_gather(v, 1, p), t, purpose)
 
 
 def _dropout(head, h, training, seed, layer_index, salt):

@@ -21,7 +21,6 @@ WholeWeights a block at a time (`fill`): the whole layer never exists in memory.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -32,8 +31,8 @@ from owt_tf.models.head_weights import ArrayWeights, WholeWeights
 from owt_tf.parallel.head.rounds import per_round, rounds_matmul
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel.head import sampling
-from owt_tf.parallel.head.metrics import ShardedLoss
-from owt_tf.planner.plan import LOSS_MODES, sampling_problem, widths_problem
+from owt_tf.parallel.head.loss import HeadLoss
+from owt_tf.planner.plan import widths_problem
 
 COL, ROW = "col", "row"
 # A shard larger than this is made a block of columns at a time (ShardedDense._make_shard).
@@ -320,33 +319,6 @@ ShardReader = Callable[[Dict[int, List[tf.Variable]]], List[List[np.ndarray]]]
 def read_local_shards(per_shard: Dict[int, List[tf.Variable]]) -> List[List[np.ndarray]]:
     """The ShardReader of a process that holds every shard."""
     return [[v.numpy() for v in per_shard[k]] for k in sorted(per_shard)]
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadLoss:
-    """What the head's loss is and where it is computed.
-
-    `mode` 'gathered' all-gathers the logits and computes the loss whole; 'sharded' never
-    does: the softmax normalizer and the target logit are summed across shards. `sharded`:
-    which cross-entropy the shards compute (None: sparse, the CLI's); `candidates_k`: how
-    many top candidates per shard the metrics read (0: none); `per_example`: (labels,
-    outputs) -> per-example loss for the gathered mode (None: cross-entropy on the logits);
-    `sample_rate`: Partial FC, the share of each shard's classes a training update's softmax
-    keeps (owt_tf.parallel.head.sampling; 1: every class, the exact loss)."""
-
-    mode: str = "gathered"
-    sharded: Optional[ShardedLoss] = None
-    candidates_k: int = 0
-    per_example: Optional[Callable[[tf.Tensor, tf.Tensor], tf.Tensor]] = None
-    sample_rate: float = 1.0
-
-    def __post_init__(self):
-        if self.mode not in LOSS_MODES:
-            raise ValueError(f"loss mode must be one of {', '.join(LOSS_MODES)}, got {self.mode!r}")
-        object.__setattr__(self, "sample_rate", sampling.check_sample_rate(self.sample_rate))
-        problem = sampling_problem(self.sample_rate, self.mode == "sharded")
-        if problem:
-            raise ValueError(f"sample_rate={self.sample_rate:g}: {problem}")
 
 
 def _kernel_and_bias(weights) -> Tuple[object, Optional[np.ndarray]]:

@@ -1,28 +1,151 @@
-"""The head's loss on an FC update's logits: gathered (the logits all-gathered, the loss
-computed whole) or on the shards (the softmax normalizer and the target logit summed across
-shards, never a [rows, classes] tensor), the Partial FC sample of an update, and the top
-candidates the metrics and `predict(top_k=)` read.
+"""The head's loss, whole: what it is (HeadLoss: where it is computed, which cross-entropy
+or margin softmax, Partial FC's sample rate), which Keras losses map to it and why others
+are refused, and its computation on an FC update's logits: gathered (the logits
+all-gathered, the loss computed whole) or on the shards (the softmax normalizer and the
+target logit summed across shards, never a [rows, classes] tensor; a margin on the shard
+that holds the label); the Partial FC sample of an update, and the top candidates the
+metrics and `predict(top_k=)` read.
 
-Which loss and where: the head's HeadLoss (owt_tf.parallel.head.layout).
+The CLI maps --objective to a HeadLoss with `margin_head_loss`; Keras' compile with
+`sharded_loss` (owt_tf.fit.metrics adds what its metrics need). `head` below is a
+ShardedHead (owt_tf.parallel.head.layout, which holds its HeadLoss and so imports this
+module).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Tuple
 
+import keras
 import numpy as np
 import tensorflow as tf
 
+from owt_tf.losses import MarginSoftmax
 from owt_tf.parallel import collectives as coll
-
-from owt_tf.planner import ledger
 from owt_tf.parallel.head import sampling
-from owt_tf.parallel.head.forward import exchange, gather, outputs
-from owt_tf.parallel.head.layout import ShardedHead
-from owt_tf.parallel.head.metrics import (LOWEST, ShardedLoss, TopCandidates, best_of,
-                                          shard_top_candidates, unpack_gathered)
+from owt_tf.parallel.head.candidates import (LOWEST, MAX_CLASSES, TopCandidates, best_of,
+                                             shard_top_candidates, unpack_gathered)
+from owt_tf.parallel.head.exchange import exchange, gather
+from owt_tf.planner import ledger
+from owt_tf.planner.plan import LOSS_MODES, sampling_problem
 
 
-def loss_terms(head: ShardedHead, logits_shard: tf.Tensor, labels: tf.Tensor, k: int,
+@dataclasses.dataclass(frozen=True)
+class ShardedLoss:
+    """A cross-entropy the head computes on its shards: on class ids (`sparse`) or on rows
+    of class weights (one-hot or soft labels), with Keras' label smoothing; or a margin
+    softmax over a cosine class layer (`margin`: an object with `scale` and
+    `logits(cosines, labels)`, such as owt_tf.losses.MarginSoftmax, applied on each shard to
+    its own columns, the margin on the shard that holds the label)."""
+
+    sparse: bool = True
+    label_smoothing: float = 0.0
+    margin: Optional[Any] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadLoss:
+    """What the head's loss is and where it is computed.
+
+    `mode` 'gathered' all-gathers the logits and computes the loss whole; 'sharded' never
+    does: the softmax normalizer and the target logit are summed across shards. `sharded`:
+    which cross-entropy the shards compute (None: sparse, the CLI's); `candidates_k`: how
+    many top candidates per shard the metrics read (0: none); `per_example`: (labels,
+    outputs) -> per-example loss for the gathered mode (None: cross-entropy on the logits);
+    `sample_rate`: Partial FC, the share of each shard's classes a training update's softmax
+    keeps (owt_tf.parallel.head.sampling; 1: every class, the exact loss)."""
+
+    mode: str = "gathered"
+    sharded: Optional[ShardedLoss] = None
+    candidates_k: int = 0
+    per_example: Optional[Callable[[tf.Tensor, tf.Tensor], tf.Tensor]] = None
+    sample_rate: float = 1.0
+
+    def __post_init__(self):
+        if self.mode not in LOSS_MODES:
+            raise ValueError(f"loss mode must be one of {', '.join(LOSS_MODES)}, got {self.mode!r}")
+        object.__setattr__(self, "sample_rate", sampling.check_sample_rate(self.sample_rate))
+        problem = sampling_problem(self.sample_rate, self.mode == "sharded")
+        if problem:
+            raise ValueError(f"sample_rate={self.sample_rate:g}: {problem}")
+
+
+def margin_on_shards(margin: MarginSoftmax) -> ShardedLoss:
+    """A margin softmax computed on a cosine class layer's shards: each shard scales its own
+    cosines, the margin on the shard that holds the label."""
+    return ShardedLoss(sparse=True, margin=margin)
+
+
+def margin_head_loss(margin: MarginSoftmax, mode: str, sample_rate: float) -> HeadLoss:
+    """The CLI's head loss under a margin objective (--objective arcface / cosface), computed
+    `mode` ('sharded', or 'gathered': the same loss per example on the whole logits)."""
+    return HeadLoss(mode, margin_on_shards(margin), per_example=margin.call,
+                    sample_rate=sample_rate)
+
+
+def _cross_entropy(loss) -> Tuple[Optional[bool], dict]:
+    """(sparse?, config) of a Keras cross-entropy given as a string, function or object;
+    (None, {}) for another loss."""
+    if isinstance(loss, str):
+        try:
+            loss = keras.losses.get(loss)
+        except ValueError:
+            return None, {}
+    if loss is keras.losses.sparse_categorical_crossentropy:
+        return True, {}
+    if loss is keras.losses.categorical_crossentropy:
+        return False, {}
+    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+        return True, loss.get_config()
+    if isinstance(loss, keras.losses.CategoricalCrossentropy):
+        return False, loss.get_config()
+    return None, {}
+
+
+def sharded_loss(loss, output_activation: Optional[str], num_classes: int,
+                 cosine: bool = False) -> Tuple[Optional[ShardedLoss], str]:
+    """(the ShardedLoss that equals a compiled Keras `loss` on this head, "") or (None, why
+    not: the loss is then computed whole, on gathered logits). Keras' sparse and categorical
+    cross-entropies are exact on the shards when they read logits (`from_logits=True` on a
+    linear head, or `from_logits=False` after a softmax output, whose logits Keras reads);
+    a margin loss (owt_tf.losses.MarginSoftmax) needs a cosine class layer."""
+    if num_classes < 2 or num_classes >= MAX_CLASSES:
+        return None, f"a head of {num_classes} classes"
+    if isinstance(loss, MarginSoftmax):
+        if not cosine:
+            return None, "a margin loss needs a cosine class layer"
+        return margin_on_shards(loss), ""
+    sparse, config = _cross_entropy(loss)
+    if sparse is None:
+        name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(
+            loss, "__name__", type(loss).__name__)
+        return None, f"loss {name!r} is not a categorical cross-entropy"
+    from_logits = bool(config.get("from_logits", False))
+    activation = output_activation or "linear"
+    if from_logits != (activation == "linear") or activation not in ("linear", "softmax"):
+        return None, (f"a cross-entropy with from_logits={from_logits} on a {activation} "
+                      "output does not read the logits")
+    if config.get("ignore_class") is not None:
+        return None, "ignore_class is set"
+    if config.get("axis", -1) != -1:
+        return None, f"the loss's axis is {config['axis']}"
+    return ShardedLoss(sparse, float(config.get("label_smoothing", 0.0))), ""
+
+
+def outputs(head, logits: tf.Tensor) -> tf.Tensor:
+    """What the model outputs for these (unpadded) logits: themselves, their softmax or
+    their sigmoid. Keras' softmax and sigmoid keep the logits on their result, so Keras'
+    cross-entropies on it are computed from the logits, as for the user's own model. Float32, whatever the
+    compute dtype (Keras' mixed-precision rule for a model's outputs)."""
+    logits = tf.cast(logits, tf.float32)
+    if head.spec.output_activation == "softmax":
+        return keras.activations.softmax(logits, axis=-1)
+    if head.spec.output_activation == "sigmoid":
+        return keras.activations.sigmoid(logits)
+    return logits
+
+
+def loss_terms(head, logits_shard: tf.Tensor, labels: tf.Tensor, k: int,
                sample: Optional[sampling.SampledColumns] = None
                ) -> Tuple[tf.Tensor, tf.Tensor, Optional[tf.Tensor]]:
     """Per-example loss, top-1 correctness and the model's outputs for rows whose labels
@@ -57,7 +180,7 @@ def _whole_loss_terms(head, logits: tf.Tensor, labels: tf.Tensor):
     return ce, correct, out
 
 
-def sample_columns(head: ShardedHead, labels: Sequence[tf.Tensor], k: int,
+def sample_columns(head, labels: Sequence[tf.Tensor], k: int,
                    update_seed: tf.Tensor) -> sampling.SampledColumns:
     """The columns of shard k an FC update with these rows' `labels` (every round of the
     update) keeps under Partial FC, seeded by `update_seed` (int32 [2])."""
@@ -168,7 +291,7 @@ def _scores(head, values: tf.Tensor, global_max: tf.Tensor, sum_exp: tf.Tensor) 
     return tf.where(values > LOWEST, scores, LOWEST)
 
 
-def top_k_outputs(head: ShardedHead, logits_shard: tf.Tensor, k: int, top_k: int) -> TopCandidates:
+def top_k_outputs(head, logits_shard: tf.Tensor, k: int, top_k: int) -> TopCandidates:
     """The `top_k` best classes of every row and the model's outputs for them, from shard
     k's logits of the rows (every replica's rows; inference): each shard's candidates
     gathered ([rows, 2 K top_k]), and a softmax's normalizer all-reduced ([rows])."""

@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional, Sequence
 import tensorflow as tf
 
 from owt_tf.planner.plan import sample_rate_problem
-from owt_tf.parallel.head.metrics import LOWEST, shard_top_candidates
+from owt_tf.parallel.head.candidates import LOWEST, shard_top_candidates
 
 # Folded into the update's seed with the shard index; above the dropout seeds' range
 # (layer_index * 1024 + salt, ShardedHead._dropout), so the two never share a stream.

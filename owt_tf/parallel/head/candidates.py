@@ -1,30 +1,16 @@
-"""The numerics of a loss and metrics computed on the FC shards: which cross-entropy
-(ShardedLoss), each shard's top candidates packed for one gather, and the best of them.
-What a Keras compile can compute so, and how Keras' metrics are fed: owt_tf.fit.metrics.
+"""Each shard's top candidates (its best classes of each row and their scores), packed for
+one gather, and the best of them: what the head's metrics and `predict(top_k=)` read
+instead of [rows, classes] outputs. How Keras' metrics are fed from them: owt_tf.fit.metrics.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Tuple
 
 import tensorflow as tf
 
 # Class ids travel as float32 next to the scores (one gather): exact below 2**24.
 MAX_CLASSES = 2 ** 24
 LOWEST = tf.float32.min  # finite: tf.math.in_top_k says False for a row with an inf
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedLoss:
-    """A cross-entropy the head computes on its shards: on class ids (`sparse`) or on rows
-    of class weights (one-hot or soft labels), with Keras' label smoothing; or a margin
-    softmax over a cosine class layer (`margin`: an object with `scale` and
-    `logits(cosines, labels)`, such as owt_tf.losses.MarginSoftmax, applied on each shard to
-    its own columns, the margin on the shard that holds the label)."""
-
-    sparse: bool = True
-    label_smoothing: float = 0.0
-    margin: Optional[Any] = None
 
 
 class TopCandidates(NamedTuple):
