@@ -1,143 +1,20 @@
 """What `ParallelModel.compile` makes of the user's settings: the loss per example (wrapped as
-Keras' compile wraps it) and its reduction, the FC shards' Keras optimizers (a
-head_state.ShardOptimizer: one clone per shard), gradient clipping as one device clips, and
-the refusals, each one line (`CompileError`).
-
-Why clones: Keras' `apply_gradients` all-reduces in replica context, and shard gradients
-must never pass through it (it raises no error and gives wrong weights); each shard gets
-its own copy of the optimizer on its own device, driven with `update_step`.
+Keras' compile wraps it) and its reduction, gradient clipping as one device clips, and the
+refusals, each one line (`CompileError`). The FC shards' optimizers: owt_tf.fit.updates.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import keras
 import tensorflow as tf
 
-from owt_tf.runtime.devices import outside_strategy_scope
 from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
-from owt_tf.parallel.head.layout import ShardedHead
-from owt_tf.parallel.head.sampling import SampledColumns
-from owt_tf.parallel.head.sparse import SPARSE_OPTIMIZERS, momentum_step, sampled_sgd
-
-# Optimizers whose update of each weight depends only on that weight's own gradient and
-# state, so that updating a shard equals updating its part of the whole layer.
-ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta",
-                          "Adamax", "Lion", "Ftrl")
 
 
 class CompileError(ValueError):
     """A compile setting a parallelized model cannot honour (the message says why)."""
-
-
-class KerasShardOptimizer:
-    """A head_state.ShardOptimizer: one clone of a Keras optimizer per local FC shard, built
-    on that shard's variables on its device, outside the strategy's scope. A plain object,
-    so that Keras' saver does not walk the clones (their number depends on K); the model
-    saves their slots whole."""
-
-    def __init__(self, template: keras.optimizers.Optimizer, head: ShardedHead,
-                 devices: List[str], trunk_optimizer, lr_ratio: float,
-                 own_schedule: bool = False):
-        self.kind = name = type(template).__name__
-        if name not in ELEMENTWISE_OPTIMIZERS:
-            raise CompileError(f"optimizer {name}: its update is not element-wise, so a shard's "
-                               f"update would differ from the whole layer's (supported: "
-                               f"{', '.join(ELEMENTWISE_OPTIMIZERS)})")
-        if head.sample_rate < 1.0 and name not in SPARSE_OPTIMIZERS:
-            raise CompileError(
-                f"optimizer {name}: sample_rate={head.sample_rate:g} updates only the sampled "
-                f"classes, which {name}'s state cannot do as the dense update would; use "
-                "keras.optimizers.SGD (momentum and weight_decay allowed) for the head "
-                "(fc_optimizer=) or sample_rate=1")
-        config = template.get_config()
-        self.head = head
-        self.trunk_optimizer = trunk_optimizer
-        self.lr_ratio = lr_ratio
-        self.weight_decay = template.weight_decay
-        # An fc_optimizer with a rate schedule follows it, on its own step count (one per FC
-        # update: K a step with fc_batch='worker', as K plain Keras updates would advance it).
-        self.own_schedule = own_schedule and isinstance(
-            template.get_config()["learning_rate"], dict)
-
-        def build():
-            clones = {}
-            for k in head.local_shards:
-                with tf.device(devices[k]):
-                    clone = type(template).from_config(config)
-                    clone.build(head.shard_variables(k))
-                clones[k] = clone
-            return clones
-
-        self.clones: Dict[int, keras.optimizers.Optimizer] = outside_strategy_scope(build)
-        self.num_slots = self._check_slots()
-
-    def _state(self, k: int) -> List:
-        """The clone's per-variable state (iteration and rate left out), variable by variable:
-        Keras builds each variable's slots together ([m0, v0, m1, v1, ...] for Adam)."""
-        return [v for v in self.clones[k].variables if v.name not in ("iteration", "learning_rate")]
-
-    def _check_slots(self) -> int:
-        k = self.head.local_shards[0]
-        variables, state = self.head.shard_variables(k), self._state(k)
-        n = len(variables)
-        per_variable = len(state) // n
-        if len(state) % n or any(tuple(s.shape) != tuple(variables[i // per_variable].shape)
-                                 for i, s in enumerate(state)):
-            raise CompileError(f"optimizer {type(self.clones[k]).__name__} with these settings: "
-                               "its state is not a fixed number of tensors shaped like each "
-                               "weight, so it cannot be split with the weights")
-        return len(state) // n
-
-    def slots(self, k: int) -> List:
-        """Shard k's slots, slot by slot, each in head.shard_variables order (Keras keeps
-        them variable by variable: [m0, v0, m1, v1, ...] for Adam)."""
-        state, n = self._state(k), len(self.head.shard_variables(k))
-        state = [v.value if hasattr(v, "value") else v for v in state]
-        return [state[i * self.num_slots + s] for s in range(self.num_slots) for i in range(n)]
-
-    @property
-    def iterations(self) -> tf.Variable:
-        """The first local shard's update count (every clone counts alike)."""
-        return self.clones[self.head.local_shards[0]].iterations
-
-    def sync_iterations(self) -> None:
-        """Every clone's count set to the first's (after a restore)."""
-        for clone in self.clones.values():
-            clone.iterations.assign(self.iterations)
-
-    def learning_rate(self, shard: int) -> tf.Tensor:
-        """Shard `shard`'s current rate: the fc_optimizer's own schedule, if it has one; else
-        the trunk optimizer's current rate (its schedule, LearningRateScheduler) times the
-        ratio set at compile."""
-        if self.own_schedule:
-            return tf.cast(self.clones[shard].learning_rate, tf.float32)
-        return tf.cast(self.trunk_optimizer.learning_rate, tf.float32) * self.lr_ratio
-
-    def apply(self, shard: int, grads: List[tf.Tensor],
-              sample: Optional[SampledColumns] = None) -> None:
-        """Keras' own update on this shard: decoupled weight decay (as Keras applies it,
-        before the step, at the current rate), then the optimizer's update_step. Under a
-        class `sample` the class layer's sampled rows only (head.sparse.sampled_sgd)."""
-        clone = self.clones[shard]
-        lr = self.learning_rate(shard)
-        variables = self.head.shard_variables(shard)
-        dense = len(variables) - (2 if sample is not None else 0)
-        for i, (g, v) in enumerate(zip(grads[:dense], variables[:dense])):
-            if self.weight_decay:
-                v.assign_sub(v * tf.cast(self.weight_decay * lr, v.dtype))
-            if type(clone) is keras.optimizers.SGD and clone.momentum:  # its rule, fused
-                momentum_step(v, clone.momentums[i], g, lr, clone.momentum, clone.nesterov)
-            else:
-                clone.update_step(g, v, lr)
-        if sample is not None:
-            momentum = float(clone.momentum)
-            slots = ([clone.momentums[i].value for i in range(dense, len(variables))]
-                     if momentum else None)  # Keras variables: their tf.Variable scatters
-            sampled_sgd(variables[dense:], slots, grads[dense:], sample, lr, momentum,
-                        bool(clone.nesterov), self.weight_decay or 0.0)
-        clone.iterations.assign_add(1)
 
 
 def _initial_rate(optimizer: keras.optimizers.Optimizer) -> float:

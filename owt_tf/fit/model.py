@@ -37,11 +37,11 @@ import tensorflow as tf
 
 from owt_tf.fit import callbacks as keras_callbacks
 from owt_tf.fit import data as keras_data
-from owt_tf.fit.compiling import (CompileError, GradientClip, KerasShardOptimizer,
-                                  inner_optimizer as _inner, loss_reduction, per_example_loss,
+from owt_tf.fit.compiling import (CompileError, GradientClip, inner_optimizer as _inner, loss_reduction, per_example_loss,
                                   rate_ratio, refuse_for_fc_batch, refuse_optimizer,
                                   refuse_settings)
 from owt_tf.fit.metrics import loss_on_shards
+from owt_tf.fit.updates import KerasShardOptimizer
 from owt_tf.fit.saving import SavingMixin
 from owt_tf.fit.steps import StepsMixin
 from owt_tf.fit.view import HeadViewMixin

@@ -10,9 +10,9 @@ context with MirroredStrategy (its maybe_merge_call needs a replica context). Be
 K replica gradients are summed, each replica adds weight_decay/K * w.
 
 FC shards are never all-reduced: each replica updates its own shard in place with the same
-rule (`ShardSGD`; under Partial FC sampling the class layer's sampled rows only,
-owt_tf.parallel.head.sparse, an owt_tf.parallel.head.state.ShardOptimizer, so the head's state is
-saved as the Keras path saves it). Passing shard gradients through Keras' all-reduce raises no error and
+rule (`ShardSGD`, an owt_tf.parallel.head.state.ShardOptimizer, so the head's state is saved
+as the Keras path saves it; the update itself, and under Partial FC sampling the class
+layer's sampled rows only, is owt_tf.parallel.head.update's, which Keras' path runs too). Passing shard gradients through Keras' all-reduce raises no error and
 gives silently wrong weights (docs/design.md), so the two kinds never share an optimizer.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import tensorflow as tf
 from owt_tf.parallel import collectives as coll
 
 from owt_tf.parallel.head.sampling import SampledColumns
-from owt_tf.parallel.head.sparse import momentum_step, sampled_sgd
+from owt_tf.parallel.head.update import SGDRule, update_shard
 from owt_tf.planner import ledger
 
 
@@ -84,8 +84,7 @@ class ShardSGD(tf.Module):
     def __init__(self, shard_vars: Dict[int, Sequence[tf.Variable]],
                  learning_rate: float, momentum: float, weight_decay: float):
         super().__init__(name="shard_sgd")
-        self.momentum = momentum
-        self.weight_decay = weight_decay
+        self.rule = SGDRule(momentum, weight_decay=weight_decay, decoupled_decay=False)
         self.learning_rate = tf.Variable(learning_rate, trainable=False, name="fc_lr")
         self.slots_by_shard: Dict[int, List[tf.Variable]] = {}
         for k, variables in shard_vars.items():
@@ -105,16 +104,8 @@ class ShardSGD(tf.Module):
 
     def apply(self, shard: int, grads: Sequence[tf.Tensor],
               sample: Optional[SampledColumns] = None) -> None:
-        lr = tf.identity(self.learning_rate)
-        variables, slots = self._vars[shard], self.slots_by_shard[shard]
-        dense = len(variables) - (2 if sample is not None else 0)
-        for v, m, g in zip(variables[:dense], slots[:dense], grads[:dense]):
-            if self.weight_decay:
-                g = g + self.weight_decay * v
-            momentum_step(v, m, g, lr, self.momentum)
-        if sample is not None:  # the class layer: its sampled rows only
-            sampled_sgd(variables[dense:], slots[dense:], grads[dense:], sample, lr,
-                        self.momentum, weight_decay=self.weight_decay, decoupled_decay=False)
+        update_shard(self._vars[shard], self.slots_by_shard[shard], grads, sample,
+                     tf.identity(self.learning_rate), self.rule)
 
 
 @dataclasses.dataclass

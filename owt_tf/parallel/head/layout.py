@@ -15,7 +15,7 @@ drops them. Hidden widths must be divisible by K.
 
 A head that samples its classes (Partial FC) keeps its class layer class-major: shard k's
 kernel is stored transposed, [its classes, in], so that a sampled update reads and writes
-whole rows (`sampled_rows`; owt_tf.parallel.head.sparse). Everything that leaves the shards
+whole rows (`sampled_rows`; owt_tf.parallel.head.update). Everything that leaves the shards
 (`assemble`, `copy_shards_into`, files) sees the usual [in, out]. Shards are made from a
 WholeWeights a block at a time (`fill`): the whole layer never exists in memory.
 """

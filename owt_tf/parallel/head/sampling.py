@@ -12,7 +12,7 @@ sample's count plus the update's label rows (every positive always fits); entrie
 real sample are padding, flagged invalid and left out of the softmax, as the unsampled
 classes are. The update differentiates the gathered rows, never the whole shard: its
 gradient is [S, in], and the optimizer moves the sampled classes only
-(owt_tf.parallel.head.sparse: weights, momentum and weight decay of a class wait while it is
+(owt_tf.parallel.head.update: weights, momentum and weight decay of a class wait while it is
 not sampled, as the original Partial FC does). Labels given as rows of class weights
 (one-hot) may name any number of classes a row, so there S is the shard's width: exact,
 but no smaller.

@@ -46,7 +46,7 @@ class ShardOptimizer(Protocol):
               sample: Optional[SampledColumns] = None) -> None:
         """One update of shard `shard` with its gradients (in head.shard_variables order;
         under a class `sample`, the class layer's of its sampled rows: only they move,
-        owt_tf.parallel.head.sparse)."""
+        owt_tf.parallel.head.update)."""
 
     def slots(self, shard: int) -> List[tf.Variable]:
         """Shard `shard`'s state, slot by slot, each in head.shard_variables order."""

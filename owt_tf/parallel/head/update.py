@@ -1,7 +1,9 @@
-"""The shards' SGD kernels: the sampled update of a class layer (Partial FC: what moves when
-an FC update keeps only a sample of each shard's classes), and the dense momentum step.
+"""An FC shard's update, for both front doors (the CLI's ShardSGD, owt_tf.training.optim,
+and Keras' KerasShardOptimizer, owt_tf.fit.updates): `update_shard` runs the rule over a
+shard's variables, whole (`momentum_step`, or another Keras optimizer's own step) or, for
+the class layer under Partial FC, on its sampled rows only (`sampled_sgd`).
 
-Only the sampled classes move. Their rows of the kernel (the layer is class-major, so a
+The sampled update: only the sampled classes move. Their rows of the kernel (the layer is class-major, so a
 class is a row), their biases, their momentum and their weight decay are updated as SGD
 would update them; every other class -- its weights, its momentum, its decay -- waits
 untouched until it is sampled again. That is the original Partial FC's rule (InsightFace's
@@ -17,13 +19,57 @@ Adam left with TF Addons.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
 
 from owt_tf.parallel.head.sampling import SampledColumns
 
 SPARSE_OPTIMIZERS = ("SGD",)
+# (variable index, variable, gradient): another optimizer's own update of a whole variable
+DenseStep = Callable[[int, tf.Variable, tf.Tensor], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SGDRule:
+    """SGD's settings: Keras' momentum rule (Nesterov or not) and weight decay, decoupled as
+    Keras applies it (w -= w x decay x lr before the step) or, `decoupled_decay` False,
+    added to the gradient (the CLI's AlexNet rule: g + decay x w)."""
+
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    decoupled_decay: bool = True
+
+
+def update_shard(variables: Sequence[tf.Variable], slots: Optional[Sequence[tf.Variable]],
+                 grads: Sequence[tf.Tensor], sample: Optional[SampledColumns],
+                 learning_rate: tf.Tensor, rule: SGDRule,
+                 dense_step: Optional[DenseStep] = None) -> None:
+    """One FC update of a shard's `variables` (head.shard_variables order) by `grads`, their
+    momentum in `slots` (None without momentum). Each variable moves whole, by SGD's rule
+    or by `dense_step` (another element-wise optimizer's own update, after the decoupled
+    decay); under a class `sample` the class layer (the last two variables) moves on its
+    sampled rows only."""
+    dense = len(variables) - (2 if sample is not None else 0)
+    for i, (variable, grad) in enumerate(zip(variables[:dense], grads[:dense])):
+        if rule.weight_decay and rule.decoupled_decay:
+            variable.assign_sub(variable * tf.cast(rule.weight_decay * learning_rate,
+                                                   variable.dtype))
+        elif rule.weight_decay:
+            grad = grad + rule.weight_decay * variable
+        if dense_step is not None:
+            dense_step(i, variable, grad)
+        elif slots is not None:
+            momentum_step(variable, slots[i], grad, learning_rate, rule.momentum, rule.nesterov)
+        else:
+            variable.assign_sub(tf.cast(learning_rate, variable.dtype)
+                                * tf.cast(grad, variable.dtype))
+    if sample is not None:
+        sampled_sgd(variables[dense:], None if slots is None else slots[dense:], grads[dense:],
+                    sample, learning_rate, rule.momentum, rule.nesterov, rule.weight_decay,
+                    rule.decoupled_decay)
 
 
 def sampled_sgd(variables: Sequence[tf.Variable], slots: Optional[Sequence[tf.Variable]],
