@@ -53,6 +53,26 @@ def test_validation_covers_every_example_once_with_padding():
     assert (labels[len(ds.val_labels):] == -1).all()
 
 
+def test_every_registered_prefix_is_loaded_and_validated(tmp_path):
+    """The one registry of dataset names (owt_tf.data): load_dataset dispatches every
+    PREFIX:ARG it lists (a missing directory is that dataset's own error, not "unknown"),
+    and --dataset's check takes every form it lists and refuses another prefix."""
+    from owt_tf.config import ConfigError, RunConfig
+    from owt_tf.data import DATASET_PREFIXES, dataset_forms
+
+    for prefix in DATASET_PREFIXES:
+        with pytest.raises(Exception) as caught:
+            load_dataset(f"{prefix}:{tmp_path / 'missing'}", (32, 32, 3))
+        assert "unknown dataset" not in str(caught.value), prefix
+        if DATASET_PREFIXES[prefix] != "NAME":
+            with pytest.raises(ConfigError, match="no such directory"):
+                RunConfig.from_flags(environ={}, dataset=f"{prefix}:{tmp_path / 'missing'}").validate()
+            RunConfig.from_flags(environ={}, dataset=f"{prefix}:{tmp_path}").validate()
+    with pytest.raises(ConfigError, match="unknown value") as caught:
+        RunConfig.from_flags(environ={}, dataset=f"lmdb:{tmp_path}").validate()
+    assert all(form in str(caught.value) for form in dataset_forms())
+
+
 def test_unknown_dataset_and_too_small_dataset():
     with pytest.raises(DatasetError, match="unknown dataset"):
         load_dataset("cifar-12", (32, 32, 3))

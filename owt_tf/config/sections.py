@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
+from owt_tf.data import AUGMENTATIONS
 from owt_tf.models.face import DEFAULT_MARGINS
 from owt_tf.runtime.cluster import DEVICE_TYPES, Cluster
 from owt_tf.config.flags import as_flag_error, flag, parse_decay_epochs, parse_profile_steps
@@ -18,10 +19,6 @@ from owt_tf.planner.plan import AUTO, ParallelPlan
 
 LR_SCALINGS = ("linear", "sqrt", "none")
 LR_SCHEDULES = ("constant", "step", "cosine", "poly")
-# --augment: AlexNet's crop + flip + PCA lighting; the random crop alone (no mirror images:
-# digits and text are not symmetric); none (training sees the eval view); auto picks per
-# dataset (owt_tf.data.datasets.default_augmentation).
-AUGMENTATIONS = ("auto", "alexnet", "crop", "none")
 # --objective: what the class layer's outputs are trained with. softmax: cross-entropy of
 # the logits; arcface / cosface: a margin softmax of a cosine class layer (owt_tf.losses).
 OBJECTIVES = ("softmax", "arcface", "cosface")

@@ -12,6 +12,7 @@ import os
 from owt_tf.config.flags import (ConfigError, as_flag_error, check_choice, check_decay_epochs,
                                  check_positive_int, check_profile_steps, flag_text)
 from owt_tf.config.sections import FLAG_FIELDS, MARGIN_OBJECTIVES, flag_metadata
+from owt_tf.data import DATASET_PREFIXES, dataset_forms, dataset_prefix
 from owt_tf.models.face import MARGIN_RANGES
 from owt_tf.planner.plan import AUTO, Scheme, check_auto_processes, sampling_problem, widths_problem
 
@@ -67,7 +68,6 @@ def check_optimizer(config) -> None:
 
 
 def check_model_and_data(config) -> None:
-    from owt_tf.data import DATASET_NAMES
     from owt_tf.models.registry import MODEL_NAMES
     from owt_tf.models.user import UserModelError, check_user_model_name, is_user_model
 
@@ -85,7 +85,7 @@ def check_model_and_data(config) -> None:
         check_choice("--model", model, MODEL_NAMES + ("PATH.keras", "module:function"))
     if not 0.0 <= config.model.dropout < 1.0:
         raise ConfigError("--dropout", f"must be in [0, 1), got {config.model.dropout}")
-    check_dataset(dataset, DATASET_NAMES)
+    check_dataset(dataset)
     if config.data.classes is not None:
         if dataset != "synthetic":
             raise ConfigError("--classes", f"{dataset} has its own classes; --classes sets "
@@ -138,18 +138,17 @@ def check_objective(config) -> None:
                           "holds the label: add --loss sharded (and a --scheme, not auto)")
 
 
-def check_dataset(dataset: str, names) -> None:
-    """A known name, tfds:NAME, or PREFIX:PATH of an existing directory."""
-    if dataset.startswith("tfds:"):
-        if not dataset[len("tfds:"):]:
-            raise ConfigError("--dataset", "tfds:NAME needs a dataset name")
-    elif dataset.startswith(("folder:", "prepared:", "insightface:")):
-        if not os.path.isdir(dataset.partition(":")[2]):
-            raise ConfigError("--dataset", f"{dataset}: no such directory")
-    else:
-        check_choice("--dataset", dataset,
-                     tuple(names) + ("folder:PATH", "prepared:PATH", "insightface:PATH",
-                                     "tfds:NAME"))
+def check_dataset(dataset: str) -> None:
+    """A known name, or PREFIX:ARG of the registry (owt_tf.data): a NAME, or an existing
+    directory."""
+    prefix, argument = dataset_prefix(dataset)
+    if prefix is None:
+        check_choice("--dataset", dataset, dataset_forms())
+    elif not argument:
+        raise ConfigError("--dataset", f"{prefix}:{DATASET_PREFIXES[prefix]} needs a "
+                          f"{'dataset name' if DATASET_PREFIXES[prefix] == 'NAME' else 'directory'}")
+    elif DATASET_PREFIXES[prefix] != "NAME" and not os.path.isdir(argument):
+        raise ConfigError("--dataset", f"{dataset}: no such directory")
 
 
 def check_model_fits(config) -> None:

@@ -32,12 +32,11 @@ from typing import Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.data import DATASET_NAMES, DatasetError
+from owt_tf.data import AUGMENTATIONS, DatasetError, dataset_forms, dataset_prefix
 from owt_tf.data.backends import FolderDataset, TfdsDataset
 from owt_tf.data.insightface import InsightFaceDataset
 from owt_tf.data.prepared import PreparedDataset
 from owt_tf.data.stream import StreamDataset  # noqa: F401 (the loop tells streamed data apart)
-from owt_tf.config import AUGMENTATIONS
 from owt_tf.data.arrays import ArrayDataset
 _SPLIT_SEED = 20140421  # fixed: the validation split never changes with --seed
 
@@ -58,20 +57,21 @@ def load_dataset(name: str, image_shape: Tuple[int, int, int], num_classes: Opti
         from owt_tf.data.faces import faces_dataset  # it builds on ArrayDataset, above
 
         return faces_dataset(image_shape)
-    if name.startswith("folder:"):
-        dataset = FolderDataset(name[len("folder:"):], image_shape)
-    elif name.startswith("prepared:"):
-        dataset = PreparedDataset(name[len("prepared:"):], image_shape)
-    elif name.startswith("insightface:"):
-        dataset = InsightFaceDataset(name[len("insightface:"):], image_shape)
-    elif name.startswith("tfds:"):
-        dataset = TfdsDataset(name[len("tfds:"):], image_shape, data_dir, download)
+    prefix, argument = dataset_prefix(name)
+    if prefix == "folder":
+        dataset = FolderDataset(argument, image_shape)
+    elif prefix == "prepared":
+        dataset = PreparedDataset(argument, image_shape)
+    elif prefix == "insightface":
+        dataset = InsightFaceDataset(argument, image_shape)
+    elif prefix == "tfds":
+        dataset = TfdsDataset(argument, image_shape, data_dir, download)
     elif name == "imagenet2012":
         # TFDS' own builder, from the ILSVRC tars the user downloaded (no network).
         dataset = TfdsDataset("imagenet2012", image_shape, data_dir, manual_dir=manual_dir,
                               required_files=IMAGENET_TARS)
     else:
-        raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
+        raise DatasetError(f"unknown dataset {name!r}; known: {', '.join(dataset_forms())}")
     if augment not in AUGMENTATIONS:
         raise DatasetError(f"unknown augmentation {augment!r}; known: {', '.join(AUGMENTATIONS)}")
     if augment != "auto":

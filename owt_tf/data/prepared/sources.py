@@ -18,10 +18,9 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from owt_tf.data import DatasetError
+from owt_tf.data import DATASET_PREFIXES, PREPARE_SOURCES, DatasetError, dataset_prefix
 
 ORDER_SEED = 20140421  # fixed: the order training images are written in never changes
-SOURCE_KINDS = ("folder:", "tfds:", "insightface:")
 
 
 @dataclasses.dataclass
@@ -54,10 +53,10 @@ class Source:
 
 def open_source(source: str, data_dir: Optional[str] = None) -> Source:
     """The source called `source`: folder:PATH, tfds:NAME or insightface:PATH."""
-    kind, _, where = source.partition(":")
-    if not where or kind + ":" not in SOURCE_KINDS:
-        raise DatasetError(f"{source!r} is no source; give folder:PATH, tfds:NAME or "
-                           "insightface:PATH")
+    kind, where = dataset_prefix(source)
+    if not where or kind not in PREPARE_SOURCES:
+        raise DatasetError(f"{source!r} is no source; give " + " or ".join(
+            f"{k}:{DATASET_PREFIXES[k]}" for k in PREPARE_SOURCES))
     if kind == "tfds":
         return _tfds_source(where, data_dir)
     if not os.path.isdir(where):
