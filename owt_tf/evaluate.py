@@ -71,7 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from owt_tf.training.files.checkpoint import NoReadableCheckpoint
     from owt_tf.training.evaluation import (evaluate_probabilities, evaluate_ten_crop_batches,
                                             softmax_predictor)
-    from owt_tf.training.files.runs import load_run
+    from owt_tf.training.runs import load_run
     from owt_tf.training.files.serving import ExportError, load_export
 
     try:

@@ -44,7 +44,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     start_tensorflow(args.verbose)  # TensorFlow loads only now, after the flags were found good
     from owt_tf.training.files.checkpoint import NoReadableCheckpoint
-    from owt_tf.training.files.runs import export_run
+    from owt_tf.training.runs import export_run
     from owt_tf.training.files.serving import ExportError, version_path
 
     try:

@@ -150,7 +150,7 @@ def test_a_run_with_the_old_flat_run_config_still_loads_and_resumes(devices, tmp
     import json
 
     from owt_tf.training.files.checkpoint import CONFIG_FILE
-    from owt_tf.training.files.runs import load_run
+    from owt_tf.training.runs import load_run
 
     logdir = tmp_path / "old"
     config = RunConfig.from_flags(steps=2, eval_every=0, logdir=str(logdir), devices=2,

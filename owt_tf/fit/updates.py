@@ -18,7 +18,7 @@ from owt_tf.runtime.devices import outside_strategy_scope
 from owt_tf.parallel.head.layout import ShardedHead
 from owt_tf.parallel.head.sampling import SampledColumns
 from owt_tf.parallel.head.update import SPARSE_OPTIMIZERS, SGDRule, update_shard
-from owt_tf.parallel.schemes import finite_flags
+from owt_tf.parallel.precision import finite_flags
 from owt_tf.fit.compiling import CompileError, GradientClip, apply_summed
 
 # Optimizers whose update of each weight depends only on that weight's own gradient and

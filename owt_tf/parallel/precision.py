@@ -6,11 +6,13 @@ float32 variables the same way, owt_tf.parallel.head.layout). Activations and th
 travel between replicas in the compute dtype, so the exchanges carry half the bytes; weight
 gradients, their all-reduce, the optimizer state and the loss stay float32. fp16 also
 needs a loss scale (`DynamicLossScale`); bfloat16 has float32's range and needs none.
+The step's numerical checks live here too: gradients of a scaled loss `unscaled`, and
+`finite_flags`, what the guard (and fp16's overflow verdict) reads.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, List, Optional, Sequence
 
 import keras
 import tensorflow as tf
@@ -60,3 +62,15 @@ class DynamicLossScale:
         if int(self.good_steps.numpy()) >= self.growth_steps:
             self.scale.assign(float(self.scale.numpy()) * 2.0)
             self.good_steps.assign(0)
+
+
+def unscaled(grads: List[tf.Tensor], loss_scale: Optional[tf.Tensor]) -> List[tf.Tensor]:
+    """Gradients of (loss x loss_scale) as gradients of the loss."""
+    if loss_scale is None:
+        return grads
+    return [g / tf.cast(loss_scale, g.dtype) for g in grads]
+
+
+def finite_flags(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """bool [len(tensors)]: is every value of each tensor finite."""
+    return tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])

@@ -23,6 +23,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from owt_tf.parallel import collectives as coll
+from owt_tf.parallel.precision import finite_flags, unscaled
 
 from owt_tf.planner import ledger
 from owt_tf.parallel.head.layout import SampledRows
@@ -80,13 +81,6 @@ def round_weights(rounds: StepRounds, weights_local: tf.Tensor) -> List[tf.Tenso
     if rounds.num_rounds == 1:
         return [weights]
     return [tf.gather(weights, rounds.round_rows(r)) for r in range(rounds.num_rounds)]
-
-
-def unscaled(grads: List[tf.Tensor], loss_scale: Optional[tf.Tensor]) -> List[tf.Tensor]:
-    """Gradients of (loss x loss_scale) as gradients of the loss."""
-    if loss_scale is None:
-        return grads
-    return [g / tf.cast(loss_scale, g.dtype) for g in grads]
 
 
 @dataclasses.dataclass
@@ -251,11 +245,6 @@ class _RoundOut(NamedTuple):
 
 def _count_true(flags: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.cast(flags, tf.int32))
-
-
-def finite_flags(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
-    """bool [len(tensors)]: is every value of each tensor finite."""
-    return tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
 
 
 def _round_seeds(seed: Optional[tf.Tensor], num_rounds: int) -> List[Optional[tf.Tensor]]:

@@ -28,7 +28,8 @@ from owt_tf.parallel import collectives as coll
 from owt_tf.planner import ledger
 from owt_tf.planner.plan import StepRounds
 from owt_tf.parallel.head.sampling import SampledColumns
-from owt_tf.parallel.schemes import RoundsResult, run_fc_rounds, unscaled
+from owt_tf.parallel.precision import unscaled
+from owt_tf.parallel.schemes import RoundsResult, run_fc_rounds
 from owt_tf.parallel.head.forward import forward
 from owt_tf.parallel.head.loss import loss_terms
 from owt_tf.parallel.head.layout import ShardedHead

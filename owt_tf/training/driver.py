@@ -21,7 +21,7 @@ from owt_tf.parallel.placement import DistributedModel, Placement
 from owt_tf.planner.plan import ParallelPlan, StepRounds
 from owt_tf.parallel.head.layout import assemble
 from owt_tf.parallel.head.update import whole_shard_gradients
-from owt_tf.parallel.schemes import finite_flags
+from owt_tf.parallel.precision import finite_flags
 from owt_tf.parallel.step import (replica_eval_terms, replica_logit_shard, replica_logits,
                                   replica_train_step, shard_index, whole_logits)
 from owt_tf.parallel.strategy import HybridStrategy
