@@ -37,9 +37,10 @@ import tensorflow as tf
 
 from owt_tf.fit import callbacks as keras_callbacks
 from owt_tf.fit import data as keras_data
-from owt_tf.fit.compiling import (CompileError, GradientClip, inner_optimizer as _inner, loss_reduction, per_example_loss,
-                                  rate_ratio, refuse_for_fc_batch, refuse_optimizer,
-                                  refuse_settings)
+from owt_tf.fit.compiling import (CompileError, GradientClip, inner_optimizer as _inner,
+                                  loss_reduction, per_example_loss, rate_ratio,
+                                  refuse_for_fc_batch, refuse_optimizer, refuse_settings)
+from owt_tf.data.verification import l2_normalize_rows
 from owt_tf.fit.metrics import loss_on_shards
 from owt_tf.fit.updates import KerasShardOptimizer
 from owt_tf.fit.saving import SavingMixin
@@ -301,7 +302,7 @@ class ParallelModel(StepsMixin, SavingMixin, HeadViewMixin, keras.Model):
         out = super().predict(self._fed(data, kwargs, "steps"), **kwargs)
         if embeddings and not getattr(self, "_raw_features", False):
             # the step returns the trunk's float32 outputs (`features`)
-            return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+            return l2_normalize_rows(out).astype(np.float32)
         return tuple(out) if top_k else out
 
     def features(self, images, batch_size=None) -> np.ndarray:

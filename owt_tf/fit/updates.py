@@ -158,10 +158,7 @@ class StepUpdates:
         self.fc_sample: Optional[SampledColumns] = None
 
     def trunk(self, grads: List[tf.Tensor]) -> None:
-        if grads:
-            k = coll.num_replicas()
-            coll.record(ledger.CONV_GRAD, "all_reduce",
-                        sum(ledger.all_reduce_cost(coll.tensor_bytes(g), k) for g in grads))
+        coll.record_gradient_all_reduce(ledger.CONV_GRAD, grads)
         if not self.summed:
             return self._apply_trunk(grads, summed=False)
         if grads:  # the collective Keras' apply_gradients would issue

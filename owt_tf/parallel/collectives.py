@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from fractions import Fraction
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -48,6 +48,14 @@ def tensor_bytes(x) -> int:
     for d in shape:
         n *= int(d)
     return n * x.dtype.size
+
+
+def record_gradient_all_reduce(purpose: str, grads: Sequence[tf.Tensor]) -> None:
+    """Counts the all-reduce Keras' optimizer issues itself on `grads` (the trunk's, and
+    the FC layers' under data parallelism): one packed launch."""
+    if grads:
+        k = num_replicas()
+        record(purpose, "all_reduce", sum(all_reduce_cost(tensor_bytes(g), k) for g in grads))
 
 
 def record(purpose: str, op: str, nbytes: Fraction, calls: int = 1) -> None:

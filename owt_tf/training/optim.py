@@ -50,8 +50,7 @@ class MirroredSGD:
         """Call in replica context with this replica's local gradients."""
         k = coll.num_replicas()
         decayed = [g + (self.weight_decay / k) * v for g, v in zip(grads, self.variables)]
-        coll.record(self.purpose, "all_reduce",
-                    sum(ledger.all_reduce_cost(coll.tensor_bytes(g), k) for g in decayed))
+        coll.record_gradient_all_reduce(self.purpose, decayed)
         self.optimizer.apply_gradients(zip(decayed, self.variables))
 
     def state_variables(self) -> List[tf.Variable]:
