@@ -19,11 +19,13 @@ from owt_tf.training.optim import build_optimizer
 SCHEMES = ("single", "data", "owt-a", "owt-b", "owt-c")
 K = 2
 # Models whose one step on 2 cores costs tens of seconds (a 224 or 112 image through
-# VGG-16 or an iResNet): traced, not run. Tracing is where a scheme meets a shape.
-TRACE_ONLY = {"vgg16", "iresnet50", "iresnet18", "mobilefacenet"}
-# IResNet-100 is IResNet-50 with more blocks of the same kind (traced above under every
-# scheme): built under every scheme, its step traced under one (160 s for all five).
-BUILD_ONLY = {"iresnet100": "owt-b"}
+# VGG-16 or an iResNet): built under every scheme (the head's fill is what a scheme
+# changes), their step traced, not run, under these schemes only. A face trunk runs
+# data-parallel under every scheme, on a head of one class layer: one trace tells what five
+# would (all five cost ~120 s for IResNet-50). VGG-16's FC layers are made in blocks, as
+# alexnet's (whose step runs under all five): traced under `data` and a sharded scheme.
+TRACED_UNDER = {"vgg16": ("data", "owt-b"), "iresnet18": ("owt-b",), "iresnet50": ("owt-b",),
+                "iresnet100": ("owt-b",), "mobilefacenet": ("owt-b",)}
 CLASSES = 10
 
 
@@ -85,10 +87,10 @@ def test_every_model_builds_and_steps_under_every_scheme(name, devices):
                 for copy in copies[1:]:
                     np.testing.assert_array_equal(copy, copies[0])
             reaches_blocks |= copies[0].nbytes > BLOCK_BYTES
-        if name in BUILD_ONLY and BUILD_ONLY[name] != scheme:
+        if name in TRACED_UNDER and scheme not in TRACED_UNDER[name]:
             continue
         step, inputs = _step(hybrid, model, spec, scheme, batch)
-        if name in TRACE_ONLY or name in BUILD_ONLY:
+        if name in TRACED_UNDER:
             step.get_concrete_function(*inputs)
         else:
             out = step(*inputs)

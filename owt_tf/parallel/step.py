@@ -17,6 +17,7 @@ BatchNormalization's moving statistics are not averaged in the step: TrunkRunner
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import keras
@@ -79,7 +80,11 @@ class TrunkRunner:
             return
         if self._average is None:
             statistics = self.moving_statistics
-            self._average = tf.function(lambda: run(lambda: average_moving_statistics(statistics)))
+
+            def average_everywhere():
+                run(functools.partial(average_moving_statistics, statistics))
+
+            self._average = tf.function(average_everywhere, autograph=False)
         self._average()
 
     def forward(self, training: bool) -> TrunkForward:
