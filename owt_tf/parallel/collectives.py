@@ -191,6 +191,12 @@ def all_gather(x: tf.Tensor, axis: int, purpose: str) -> tf.Tensor:
     return gather(x)
 
 
+def sum_of_values(x: tf.Tensor, purpose: str) -> tf.Tensor:
+    """Sum of every replica's `x`, for values no gradient flows through (BatchNormalization's
+    moving statistics): no custom gradient is registered (owt_tf.parallel.gradients)."""
+    return x if num_replicas() == 1 else _all_reduce_sum_counted(tf.stop_gradient(x), purpose)
+
+
 def all_reduce_sum(x: tf.Tensor, purpose: str) -> tf.Tensor:
     """Sum of every replica's `x`. Differentiable: the gradient is the summed upstream gradient."""
     if num_replicas() == 1:

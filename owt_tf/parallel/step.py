@@ -115,7 +115,7 @@ def average_moving_statistics(statistics: Sequence[tf.Variable]) -> None:
         return
     values = [tf.identity(v.value if isinstance(v, keras.Variable) else v) for v in statistics]
     packed = tf.concat([tf.reshape(v, [-1]) for v in values], 0)
-    mean = coll.all_reduce_sum(packed, ledger.MOVING_STATS) / coll.num_replicas()
+    mean = coll.sum_of_values(packed, ledger.MOVING_STATS) / coll.num_replicas()
     sizes = [int(v.shape.num_elements()) for v in values]
     for variable, part, value in zip(statistics, tf.split(mean, sizes), values):
         variable.assign(tf.reshape(part, value.shape))
