@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.data import DatasetError
-from owt_tf.data.preprocess import eval_pixels, normalize
+from owt_tf.data.preprocess import DeviceBatch, eval_pixels, finish_images
 from owt_tf.data.stream import StreamDataset
 from owt_tf.data.verification import VerificationPairs
 
@@ -54,6 +54,7 @@ VALIDATION_IDENTITIES = 10_000  # identities with an image held out for validati
 MIN_IMAGES_TO_HOLD_OUT = 3  # an identity keeps at least two training images
 _SPLIT_SEED = 20140421  # fixed: the validation split never changes with --seed
 _SCAN_CHUNK = 1 << 20  # records whose headers are gathered from the memory map at once
+READ_BLOCK = 256  # images whose bytes one Python call reads, in training and validation
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -104,6 +105,17 @@ class RecordSet:
             return self.rec.read(int(self.image_start[i]), int(self.image_length[i]))
         payload = self.rec.payload(int(self.offsets[i]), self.where(i))
         return unpack_payload(payload, f"{self.rec.path}: {self.where(i)}")[2]
+
+    def block(self, indices: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(encoded bytes as an object array, int32 identities) of the images `indices`:
+        whole records sliced from the .rec's memory map in one call, split ones joined."""
+        indices = np.asarray(indices, np.int64)
+        encoded = np.empty(len(indices), object)
+        encoded[:] = self.rec.read_many(self.image_start[indices].tolist(),
+                                        np.maximum(self.image_length[indices], 0).tolist())
+        for k in np.flatnonzero(self.image_length[indices] < 0):
+            encoded[k] = self.image_bytes(int(indices[k]))
+        return encoded, self.labels[indices]
 
 
 def open_record_set(directory: str) -> RecordSet:
@@ -327,12 +339,15 @@ def verification_sets(directory: str,
 
 
 class InsightFaceDataset(StreamDataset):
-    """`insightface:DIR`: train.rec + train.idx streamed like a folder of images (records:
-    an image's index; its JPEG bytes read from the .rec when its row needs them).
+    """`insightface:DIR`: train.rec + train.idx streamed like a prepared set: its records
+    are the images' JPEG bytes, read from the .rec's memory map a block of READ_BLOCK
+    images per call (`_read_blocks`), in the order the image indices are drawn.
 
     Normalised as arcface_torch does, (pixel - 127.5) / 127.5, not by its own statistics;
     --augment auto is 'flip' (arcface_torch's only training augmentation: each image
-    mirrored with probability 1/2, nothing else)."""
+    mirrored with probability 1/2, nothing else): the whole image decoded, resized only
+    when it is not at the input size, handed on as uint8 with its flip draw (the mirror and
+    the normalisation run once per batch: on the step's device for the CLI)."""
 
     mean = (127.5, 127.5, 127.5)
     std = (127.5, 127.5, 127.5)
@@ -366,10 +381,9 @@ class InsightFaceDataset(StreamDataset):
         """The directory's `*.bin` pairs at the model's input size."""
         return verification_sets(self.directory, self.image_shape[:2])
 
-    def _records(self, indices: np.ndarray) -> tf.data.Dataset:
-        return tf.data.Dataset.from_tensor_slices((indices, self.records.labels[indices]))
-
-    def _encoded_image(self, index):
+    def encoded_record(self, index: tf.Tensor) -> tf.Tensor:
+        """Image `index`'s encoded bytes, read alone (a Python call per image: for a
+        prepare's listing, not for training, which reads blocks)."""
         def read(i):
             return np.array(self.records.image_bytes(int(i)), dtype=object)
 
@@ -377,10 +391,32 @@ class InsightFaceDataset(StreamDataset):
         encoded.set_shape([])
         return encoded
 
+    def _read_blocks(self, indices: tf.data.Dataset) -> tf.data.Dataset:
+        """Image indices -> (JPEG bytes, int32 identity), in the same order, READ_BLOCK
+        indices per read of the memory map."""
+        def read(block):
+            encoded, labels = tf.numpy_function(self.records.block, [block],
+                                                (tf.string, tf.int32), stateful=False)
+            encoded.set_shape([None])
+            labels.set_shape([None])
+            return encoded, labels
+
+        blocks = indices.batch(READ_BLOCK).map(read, num_parallel_calls=tf.data.AUTOTUNE,
+                                               deterministic=True)
+        return blocks.unbatch()
+
+    def _records(self, indices: np.ndarray) -> tf.data.Dataset:
+        return self._read_blocks(tf.data.Dataset.from_tensor_slices(indices))
+
+    def _encoded_image(self, encoded):
+        return encoded  # the records are the bytes (`_read_blocks`)
+
     def _train_records(self, seed: int, skip: int) -> tf.data.Dataset:
-        records = self._records(self.train_indices)
-        records = records.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True)
-        return records.repeat().skip(skip)
+        """The training images' indices shuffled by tf.data's seeded shuffle (a new order
+        each epoch), from stream position `skip` on, then read in blocks."""
+        order = tf.data.Dataset.from_tensor_slices(self.train_indices)
+        order = order.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True)
+        return self._read_blocks(order.repeat().skip(skip))
 
     def _ordered_train_records(self) -> tf.data.Dataset:
         return self._records(self.train_indices)
@@ -394,19 +430,35 @@ class InsightFaceDataset(StreamDataset):
         return self._records(self.val_indices)
 
     def _train_crop(self, position, item, draws):
-        """'flip': the whole image at the input size (resized if it is not), uint8; the
-        mirror is applied per batch (`_augment_batch`)."""
+        """'flip': the whole image, uint8 at the input size (resized as the eval view is
+        only when it is not: face sets are stored at it); the mirror is applied per batch
+        (`_augment_batch`)."""
         if self.augment != "flip":
             return super()._train_crop(position, item, draws)
-        image, label = self._decode(*item)
-        pixels = eval_pixels(image[None], self.image_shape[:2])[0]
-        crop = tf.ensure_shape(tf.cast(tf.round(pixels), tf.uint8), self.image_shape)
-        return crop, label, position, draws.flip, draws.lighting
+        encoded, label = item
+        image = tf.io.decode_image(encoded, channels=self.image_shape[-1],
+                                   expand_animations=False)
+        crop = tf.ensure_shape(self._at_input_size(image), self.image_shape)
+        return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
+
+    def _at_input_size(self, image: tf.Tensor) -> tf.Tensor:
+        """uint8 [H, W, C] -> uint8 at the input size: as it is when it already is, else
+        the eval view (eval_pixels) rounded."""
+        h, w = self.image_shape[:2]
+        shape = tf.shape(image)
+        same = tf.logical_and(tf.equal(shape[0], h), tf.equal(shape[1], w))
+
+        def resized():
+            pixels = eval_pixels(image[None], (h, w))[0]
+            return tf.cast(tf.round(pixels), tf.uint8)
+
+        return tf.cond(same, lambda: image, resized)
 
     def _augment_batch(self, crops, labels, positions, flips, lighting, failed, on_device=False):
         if self.augment != "flip":
             return super()._augment_batch(crops, labels, positions, flips, lighting, failed,
                                           on_device)
-        # a flip and a normalisation: finished here, on_device or not (little float work)
-        mirrored = tf.where(flips[:, None, None, None], tf.reverse(crops, axis=[2]), crops)
-        return normalize(mirrored, self.mean, self.std), labels, positions, failed
+        images = DeviceBatch(crops, flips, tf.zeros_like(lighting))  # the mirror alone
+        if not on_device:
+            images = finish_images(images, self.mean, self.std)
+        return images, labels, positions, failed

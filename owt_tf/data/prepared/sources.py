@@ -131,7 +131,7 @@ def _insightface_source(directory: str) -> Source:
             return f"train.rec key {int(records.keys[indices[i]])}"
 
         listing = [[int(records.keys[i]), int(records.labels[i])] for i in indices]
-        splits[split] = SplitSource(len(indices), items, data._encoded_image, name_of, listing,
+        splits[split] = SplitSource(len(indices), items, data.encoded_record, name_of, listing,
                                     lambda i, indices=indices: tf.constant(indices[i]))
     names = [str(i) for i in range(records.num_identities)]
     return Source(f"insightface:{os.path.abspath(directory)}", names, splits)
