@@ -24,6 +24,8 @@ an .idx offset past the end of the .rec, a label that is no identity) is a Datas
 naming the file and the record, before training starts. An image that does not decode is
 not damage to the set: the stream skips it as it does any folder image (owt_tf.data.stream).
 
+The dataset that trains on a set (`insightface:DIR`) is owt_tf.data.insightface_stream.
+
 Validation: InsightFace sets have no classification validation split. One image of each
 identity with at least 3 images (of at most VALIDATION_IDENTITIES identities, evenly spread
 over the labels) is held out of training, drawn from a fixed seed, so the split never
@@ -42,8 +44,6 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.data import DatasetError
-from owt_tf.data.preprocess import DeviceBatch, eval_pixels, finish_images
-from owt_tf.data.stream import StreamDataset
 from owt_tf.data.verification import VerificationPairs
 
 from owt_tf.data.recordio import (FIRST, IR_SIZE, LENGTH_MASK, MAGIC, WHOLE, RecordFile,
@@ -54,7 +54,6 @@ VALIDATION_IDENTITIES = 10_000  # identities with an image held out for validati
 MIN_IMAGES_TO_HOLD_OUT = 3  # an identity keeps at least two training images
 _SPLIT_SEED = 20140421  # fixed: the validation split never changes with --seed
 _SCAN_CHUNK = 1 << 20  # records whose headers are gathered from the memory map at once
-READ_BLOCK = 256  # images whose bytes one Python call reads, in training and validation
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -333,132 +332,3 @@ def verification_sets(directory: str,
     """Every `*.bin` in `directory` (lfw, cfp_fp, agedb_30, ...), by name, as VerificationPairs."""
     return [read_verification_bin(path, image_size)
             for path in sorted(glob.glob(os.path.join(directory, "*.bin")))]
-
-
-# ------------------------------------------------------------------------------ the dataset
-
-
-class InsightFaceDataset(StreamDataset):
-    """`insightface:DIR`: train.rec + train.idx streamed like a prepared set: its records
-    are the images' JPEG bytes, read from the .rec's memory map a block of READ_BLOCK
-    images per call (`_read_blocks`), in the order the image indices are drawn.
-
-    Normalised as arcface_torch does, (pixel - 127.5) / 127.5, not by its own statistics;
-    --augment auto is 'flip' (arcface_torch's only training augmentation: each image
-    mirrored with probability 1/2, nothing else): the whole image decoded, resized only
-    when it is not at the input size, handed on as uint8 with its flip draw (the mirror and
-    the normalisation run once per batch: on the step's device for the CLI)."""
-
-    mean = (127.5, 127.5, 127.5)
-    std = (127.5, 127.5, 127.5)
-    auto_augment = "flip"
-
-    def __init__(self, directory: str, image_shape: Tuple[int, int, int]):
-        self.name = f"insightface:{directory}"
-        self.directory = directory
-        self.image_shape = tuple(image_shape)
-        self._channels()
-        if not os.path.isdir(directory):
-            raise DatasetError(f"{self.name}: no such directory")
-        self.records = open_record_set(directory)
-        self.num_classes = self.records.num_identities
-        held = held_out_for_validation(self.records.labels)
-        train = np.setdiff1d(np.arange(len(self.records.keys)), held)
-        self.train_indices, self.val_indices = train.astype(np.int64), held.astype(np.int64)
-        self.num_train = len(self.train_indices)
-        if not self.num_train:
-            raise DatasetError(f"{self.name}: train.rec holds no images")
-
-    @property
-    def has_own_statistics(self) -> bool:
-        return False
-
-    @property
-    def trains_with_flips(self) -> bool:
-        return self.augment in ("alexnet", "flip")
-
-    def verification_sets(self) -> List[VerificationPairs]:
-        """The directory's `*.bin` pairs at the model's input size."""
-        return verification_sets(self.directory, self.image_shape[:2])
-
-    def encoded_record(self, index: tf.Tensor) -> tf.Tensor:
-        """Image `index`'s encoded bytes, read alone (a Python call per image: for a
-        prepare's listing, not for training, which reads blocks)."""
-        def read(i):
-            return np.array(self.records.image_bytes(int(i)), dtype=object)
-
-        encoded = tf.numpy_function(read, [index], tf.string, stateful=False)
-        encoded.set_shape([])
-        return encoded
-
-    def _read_blocks(self, indices: tf.data.Dataset) -> tf.data.Dataset:
-        """Image indices -> (JPEG bytes, int32 identity), in the same order, READ_BLOCK
-        indices per read of the memory map."""
-        def read(block):
-            encoded, labels = tf.numpy_function(self.records.block, [block],
-                                                (tf.string, tf.int32), stateful=False)
-            encoded.set_shape([None])
-            labels.set_shape([None])
-            return encoded, labels
-
-        blocks = indices.batch(READ_BLOCK).map(read, num_parallel_calls=tf.data.AUTOTUNE,
-                                               deterministic=True)
-        return blocks.unbatch()
-
-    def _records(self, indices: np.ndarray) -> tf.data.Dataset:
-        return self._read_blocks(tf.data.Dataset.from_tensor_slices(indices))
-
-    def _encoded_image(self, encoded):
-        return encoded  # the records are the bytes (`_read_blocks`)
-
-    def _train_records(self, seed: int, skip: int) -> tf.data.Dataset:
-        """The training images' indices shuffled by tf.data's seeded shuffle (a new order
-        each epoch), from stream position `skip` on, then read in blocks."""
-        order = tf.data.Dataset.from_tensor_slices(self.train_indices)
-        order = order.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True)
-        return self._read_blocks(order.repeat().skip(skip))
-
-    def _ordered_train_records(self) -> tf.data.Dataset:
-        return self._records(self.train_indices)
-
-    def _sampled_train_records(self, sample: int) -> tf.data.Dataset:
-        picks = np.unique(np.linspace(0, self.num_train - 1, min(sample, self.num_train))
-                          .round().astype(int))
-        return self._records(self.train_indices[picks])
-
-    def _val_records(self) -> tf.data.Dataset:
-        return self._records(self.val_indices)
-
-    def _train_crop(self, position, item, draws):
-        """'flip': the whole image, uint8 at the input size (resized as the eval view is
-        only when it is not: face sets are stored at it); the mirror is applied per batch
-        (`_augment_batch`)."""
-        if self.augment != "flip":
-            return super()._train_crop(position, item, draws)
-        encoded, label = item
-        image = tf.io.decode_image(encoded, channels=self.image_shape[-1],
-                                   expand_animations=False)
-        crop = tf.ensure_shape(self._at_input_size(image), self.image_shape)
-        return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
-
-    def _at_input_size(self, image: tf.Tensor) -> tf.Tensor:
-        """uint8 [H, W, C] -> uint8 at the input size: as it is when it already is, else
-        the eval view (eval_pixels) rounded."""
-        h, w = self.image_shape[:2]
-        shape = tf.shape(image)
-        same = tf.logical_and(tf.equal(shape[0], h), tf.equal(shape[1], w))
-
-        def resized():
-            pixels = eval_pixels(image[None], (h, w))[0]
-            return tf.cast(tf.round(pixels), tf.uint8)
-
-        return tf.cond(same, lambda: image, resized)
-
-    def _augment_batch(self, crops, labels, positions, flips, lighting, failed, on_device=False):
-        if self.augment != "flip":
-            return super()._augment_batch(crops, labels, positions, flips, lighting, failed,
-                                          on_device)
-        images = DeviceBatch(crops, flips, tf.zeros_like(lighting))  # the mirror alone
-        if not on_device:
-            images = finish_images(images, self.mean, self.std)
-        return images, labels, positions, failed

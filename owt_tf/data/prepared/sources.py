@@ -116,7 +116,7 @@ def _file_split(files: np.ndarray, labels: np.ndarray, root: str) -> SplitSource
 def _insightface_source(directory: str) -> Source:
     """train.rec's images as InsightFaceDataset splits them (one image of each of up to
     10,000 identities held out for validation); labels: the identities."""
-    from owt_tf.data.insightface import InsightFaceDataset
+    from owt_tf.data.insightface_stream import InsightFaceDataset
 
     data = InsightFaceDataset(directory, (112, 112, 3))
     records = data.records
