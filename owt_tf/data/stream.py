@@ -26,9 +26,8 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.data import DatasetError
-from owt_tf.data.preprocess import (DeviceBatch, TrainDraws, decode_train_crop, finish_images,
-                                     eval_pixels, eval_preprocess, normalize,
-                                     train_draw_batches)
+from owt_tf.data.preprocess import (DeviceBatch, TrainDraws, decode_train_crop, eval_pixels,
+                                     eval_preprocess, finish_images, train_draw_batches)
 
 STATS_SAMPLE = 1000  # training images behind a dataset's own mean and spread
 
@@ -112,10 +111,11 @@ class StreamDataset:
         replaced by the next one of its global batch that does: the module docstring);
         `failed` counts the candidates that failed before each row's image (`global_batch`:
         none of the global batch decoded, the row is zeros). Each example decodes only its
-        crop window (JPEG) and is resized to the input size as uint8; flip, lighting and
-        normalisation run once per batch, here, or (`on_device`, what the CLI reads) in the
-        step on its device: the images are then DeviceBatch(uint8 crops, flips, lighting),
-        which preprocess.finish_images turns into the same float32 input."""
+        crop window (JPEG) and is resized to the input size as uint8 (augment 'none': the
+        eval view, float32 pixels); flip, lighting and normalisation run once per batch,
+        here, or (`on_device`, what the CLI reads) in the step on its device: the images
+        are then DeviceBatch(crops, flips, lighting), which preprocess.finish_images turns
+        into the same float32 input."""
         if self.num_train < global_batch:
             raise DatasetError(f"{self.name}: {self.num_train} training images is fewer than "
                                f"one global batch of {global_batch}")
@@ -272,9 +272,7 @@ class StreamDataset:
         return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
 
     def _augment_batch(self, crops, labels, positions, flips, lighting, failed, on_device=False):
-        if self.augment == "none":
-            return normalize(crops, self.mean, self.std), labels, positions, failed
-        if self.augment == "crop":  # the same draws, the flip and lighting left out
+        if self.augment in ("none", "crop"):  # the same draws, flip and lighting left out
             flips, lighting = tf.zeros_like(flips), tf.zeros_like(lighting)
         images = DeviceBatch(crops, flips, lighting)
         if not on_device:
