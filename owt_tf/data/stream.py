@@ -180,11 +180,11 @@ class StreamDataset:
     def _own_rows(self, first, count, positions, records, draws,
                   global_batch: int) -> tf.data.Dataset:
         """Rows first ... first+count-1 of one global batch, as a dataset of exactly one
-        (crops, labels, positions, flips, lighting, failed) with `count` rows. Every row's
-        own record is decoded in one parallel map; only rows whose own record failed take
-        the per-row path of substitutes (`_row_image`). A nested dataset per row costs
-        about a third of decoding its crop, so the common case builds none (`bench --input`:
-        0.59x -> 0.75x the bare decode rate)."""
+        (crops, labels, positions, flips, lighting, failed) with `count` rows, made row by
+        row: a batch gets here only when `_own_rows_at_once` failed. Every row's own record
+        is decoded in one parallel map; only rows whose own record failed take the per-row
+        path of substitutes (`_row_image`). A nested dataset per row costs about a third of
+        decoding its crop, so the rows that decode build none."""
         files, labels = records
         rows = tf.range(first, first + count, dtype=tf.int64)
         own = slice(first, first + count)
