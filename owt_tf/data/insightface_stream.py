@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from owt_tf.data import DatasetError
 from owt_tf.data.insightface import held_out_for_validation, open_record_set, verification_sets
-from owt_tf.data.preprocess import DeviceBatch, eval_pixels, finish_images
+from owt_tf.data.preprocess import eval_pixels
 from owt_tf.data.stream import StreamDataset
 from owt_tf.data.verification import VerificationPairs
 
@@ -30,8 +30,8 @@ READ_BLOCK = 256  # images whose bytes one Python call reads (validation, one pa
 
 class InsightFaceDataset(StreamDataset):
     """`insightface:DIR`: train.rec + train.idx streamed like a prepared set: its records
-    are the images' JPEG bytes, read from the .rec's memory map a block of READ_BLOCK
-    images per call (`_read_blocks`), in the order the image indices are drawn.
+    are the images' JPEG bytes, read from the .rec's memory map a global batch (training)
+    or READ_BLOCK images per call (`_read`), in the order the image indices are drawn.
 
     Normalised as arcface_torch does, (pixel - 127.5) / 127.5, not by its own statistics;
     --augment auto is 'flip' (arcface_torch's only training augmentation: each image
@@ -127,7 +127,7 @@ class InsightFaceDataset(StreamDataset):
     def _train_crop(self, position, item, draws):
         """'flip': the whole image, uint8 at the input size (resized as the eval view is
         only when it is not: face sets are stored at it); the mirror is applied per batch
-        (`_augment_batch`)."""
+        (StreamDataset._augment_batch)."""
         if self.augment != "flip":
             return super()._train_crop(position, item, draws)
         encoded, label = item
@@ -159,12 +159,3 @@ class InsightFaceDataset(StreamDataset):
             return tf.cast(tf.round(pixels), tf.uint8)
 
         return tf.cond(same, lambda: image, resized)
-
-    def _augment_batch(self, crops, labels, positions, flips, lighting, failed, on_device=False):
-        if self.augment != "flip":
-            return super()._augment_batch(crops, labels, positions, flips, lighting, failed,
-                                          on_device)
-        images = DeviceBatch(crops, flips, tf.zeros_like(lighting))  # the mirror alone
-        if not on_device:
-            images = finish_images(images, self.mean, self.std)
-        return images, labels, positions, failed

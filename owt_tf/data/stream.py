@@ -49,7 +49,7 @@ class StreamDataset:
     # before datasets had their own (input_stats.json).
     mean: Tuple[float, ...] = (123.68, 116.78, 103.94)
     std: Tuple[float, ...] = (58.4, 57.1, 57.4)
-    augment: str = "alexnet"  # AUGMENTATIONS less 'auto'; load_dataset resolves it
+    augment: str = "alexnet"  # AUGMENTATIONS less 'auto', or 'flip' (face sets); load_dataset resolves it
 
     @property
     def trains_with_flips(self) -> bool:
@@ -274,6 +274,8 @@ class StreamDataset:
     def _augment_batch(self, crops, labels, positions, flips, lighting, failed, on_device=False):
         if self.augment in ("none", "crop"):  # the same draws, flip and lighting left out
             flips, lighting = tf.zeros_like(flips), tf.zeros_like(lighting)
+        elif self.augment == "flip":  # the mirror alone (face sets: arcface_torch's)
+            lighting = tf.zeros_like(lighting)
         images = DeviceBatch(crops, flips, lighting)
         if not on_device:
             images = finish_images(images, self.mean, self.std)
