@@ -144,9 +144,10 @@ def decode_train_crop(encoded: tf.Tensor, size: Tuple[int, int], channels: int,
 class DeviceBatch(NamedTuple):
     """Training crops as a streamed dataset hands them to the CLI's step: uint8 [N, h, w, C]
     (float32 pixels in 0..255 under --augment none: the eval view, not rounded), each row's
-    flip (bool [N]) and lighting draws (float32 [N, 3]; zeros but for 'alexnet'). The step finishes them
-    on its device (`finish_images`): the float work leaves the input pipeline's cores (on
-    a GPU it is free) and a quarter of the bytes cross to the device."""
+    flip (bool [N]) and lighting draws (float32 [N, 3]; zeros but for 'alexnet'). The step
+    finishes them on its device (`finish_images`): the float work leaves the input
+    pipeline's cores (on a GPU it is free) and, as uint8, a quarter of the bytes cross to
+    the device."""
 
     crops: tf.Tensor
     flips: tf.Tensor

@@ -49,7 +49,8 @@ class StreamDataset:
     # before datasets had their own (input_stats.json).
     mean: Tuple[float, ...] = (123.68, 116.78, 103.94)
     std: Tuple[float, ...] = (58.4, 57.1, 57.4)
-    augment: str = "alexnet"  # AUGMENTATIONS less 'auto', or 'flip' (face sets); load_dataset resolves it
+    # AUGMENTATIONS less 'auto', or 'flip' (face sets); load_dataset resolves it
+    augment: str = "alexnet"
 
     @property
     def trains_with_flips(self) -> bool:
