@@ -137,9 +137,11 @@ class StreamDataset:
         def own_rows(positions, records, draws):
             # Every row's own record decoded in one function (no dataset per row), unless
             # one fails to: then the batch is made again row by row, with substitutes.
-            at_once = tf.data.Dataset.from_tensors((positions, records, draws)).map(
-                lambda *batch: self._own_rows_at_once(first, count, *batch))
-            row_by_row = self._own_rows(first, count, positions, records, draws, global_batch)
+            batch = tf.data.Dataset.from_tensors((positions, records, draws))
+            at_once = batch.map(lambda *batch: self._own_rows_at_once(first, count, *batch))
+            # flat_map: the row-by-row pipeline is built only for a batch that needs it
+            row_by_row = batch.flat_map(
+                lambda *batch: self._own_rows(first, count, *batch, global_batch))
             return at_once.ignore_errors().concatenate(row_by_row).take(1)
 
         # One element per global batch (its rows assembled), in order, batches in parallel.
