@@ -147,3 +147,32 @@ def test_first_step_and_keras_step_benchmarks_write_their_records(tmp_path):
     assert all(r["step_time_s"] > 0 and r["global_batch"] == 16 for r in records)
     assert "/ MirroredStrategy fit" in proc.stdout and "/ the CLI's step" in proc.stdout
     assert "the conv trunk alone" in proc.stdout
+
+
+def test_input_bench_on_an_insightface_set(tmp_path):
+    """`--input insightface:DIR`: five alternating rounds of the training input and of bare
+    decode_jpeg of the same bytes; the median rounds and their ratio, as printed."""
+    import tensorflow as tf
+
+    from owt_tf.data.recordio import write_record_file
+
+    rng = np.random.default_rng(0)
+    images = [(tf.io.encode_jpeg(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).numpy(), k)
+              for k in range(4) for _ in range(10)]
+    write_record_file(str(tmp_path / "train"), images, header=True)
+    out = tmp_path / "input.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run(
+        [sys.executable, "-m", "owt_tf.bench", "--input", f"insightface:{tmp_path}",
+         "--image-size", "16", "--batch-size", "4", "--devices", "2", "--steps", "2",
+         "--warmup", "1", "--out", str(out)], capture_output=True, text=True, env=env,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    training, bare = json.loads(out.read_text())
+    assert training["pipeline"].startswith("training") and bare["pipeline"].startswith("bare")
+    for r in (training, bare):
+        assert r["global_batch"] == 8 and r["images_per_round"] == 16 and r["image_size"] == 16
+        assert len(r["rounds_images_per_sec"]) == 5 and min(r["rounds_images_per_sec"]) > 0
+        assert r["images_per_sec"] == pytest.approx(np.median(r["rounds_images_per_sec"]), rel=1e-3)
+    ratio = training["images_per_sec"] / bare["images_per_sec"]
+    assert f"training / bare decode of the same bytes: {ratio:.2f}x" in proc.stdout

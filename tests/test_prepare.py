@@ -188,7 +188,7 @@ def test_a_tfds_source_keeps_its_classes_and_splits(tmp_path):
 
 
 def test_an_insightface_source_keeps_its_identities_and_held_out_images(tmp_path):
-    from owt_tf.data.insightface import InsightFaceDataset
+    from owt_tf.data.insightface_stream import InsightFaceDataset
     from owt_tf.data.recordio import write_record_file
 
     root = tmp_path / "faces"

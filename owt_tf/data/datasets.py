@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from owt_tf.data import AUGMENTATIONS, DatasetError, dataset_forms, dataset_prefix
 from owt_tf.data.backends import FolderDataset, TfdsDataset
-from owt_tf.data.insightface import InsightFaceDataset
+from owt_tf.data.insightface_stream import InsightFaceDataset
 from owt_tf.data.prepared import PreparedDataset
 from owt_tf.data.stream import StreamDataset  # noqa: F401 (the loop tells streamed data apart)
 from owt_tf.data.arrays import ArrayDataset

@@ -24,6 +24,8 @@ an .idx offset past the end of the .rec, a label that is no identity) is a Datas
 naming the file and the record, before training starts. An image that does not decode is
 not damage to the set: the stream skips it as it does any folder image (owt_tf.data.stream).
 
+The dataset that trains on a set (`insightface:DIR`) is owt_tf.data.insightface_stream.
+
 Validation: InsightFace sets have no classification validation split. One image of each
 identity with at least 3 images (of at most VALIDATION_IDENTITIES identities, evenly spread
 over the labels) is held out of training, drawn from a fixed seed, so the split never
@@ -42,8 +44,6 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.data import DatasetError
-from owt_tf.data.preprocess import eval_pixels, normalize
-from owt_tf.data.stream import StreamDataset
 from owt_tf.data.verification import VerificationPairs
 
 from owt_tf.data.recordio import (FIRST, IR_SIZE, LENGTH_MASK, MAGIC, WHOLE, RecordFile,
@@ -104,6 +104,17 @@ class RecordSet:
             return self.rec.read(int(self.image_start[i]), int(self.image_length[i]))
         payload = self.rec.payload(int(self.offsets[i]), self.where(i))
         return unpack_payload(payload, f"{self.rec.path}: {self.where(i)}")[2]
+
+    def block(self, indices: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(encoded bytes as an object array, int32 identities) of the images `indices`:
+        whole records sliced from the .rec's memory map in one call, split ones joined."""
+        indices = np.asarray(indices, np.int64)
+        encoded = np.empty(len(indices), object)
+        encoded[:] = self.rec.read_many(self.image_start[indices].tolist(),
+                                        np.maximum(self.image_length[indices], 0).tolist())
+        for k in np.flatnonzero(self.image_length[indices] < 0):
+            encoded[k] = self.image_bytes(int(indices[k]))
+        return encoded, self.labels[indices]
 
 
 def open_record_set(directory: str) -> RecordSet:
@@ -321,92 +332,3 @@ def verification_sets(directory: str,
     """Every `*.bin` in `directory` (lfw, cfp_fp, agedb_30, ...), by name, as VerificationPairs."""
     return [read_verification_bin(path, image_size)
             for path in sorted(glob.glob(os.path.join(directory, "*.bin")))]
-
-
-# ------------------------------------------------------------------------------ the dataset
-
-
-class InsightFaceDataset(StreamDataset):
-    """`insightface:DIR`: train.rec + train.idx streamed like a folder of images (records:
-    an image's index; its JPEG bytes read from the .rec when its row needs them).
-
-    Normalised as arcface_torch does, (pixel - 127.5) / 127.5, not by its own statistics;
-    --augment auto is 'flip' (arcface_torch's only training augmentation: each image
-    mirrored with probability 1/2, nothing else)."""
-
-    mean = (127.5, 127.5, 127.5)
-    std = (127.5, 127.5, 127.5)
-    auto_augment = "flip"
-
-    def __init__(self, directory: str, image_shape: Tuple[int, int, int]):
-        self.name = f"insightface:{directory}"
-        self.directory = directory
-        self.image_shape = tuple(image_shape)
-        self._channels()
-        if not os.path.isdir(directory):
-            raise DatasetError(f"{self.name}: no such directory")
-        self.records = open_record_set(directory)
-        self.num_classes = self.records.num_identities
-        held = held_out_for_validation(self.records.labels)
-        train = np.setdiff1d(np.arange(len(self.records.keys)), held)
-        self.train_indices, self.val_indices = train.astype(np.int64), held.astype(np.int64)
-        self.num_train = len(self.train_indices)
-        if not self.num_train:
-            raise DatasetError(f"{self.name}: train.rec holds no images")
-
-    @property
-    def has_own_statistics(self) -> bool:
-        return False
-
-    @property
-    def trains_with_flips(self) -> bool:
-        return self.augment in ("alexnet", "flip")
-
-    def verification_sets(self) -> List[VerificationPairs]:
-        """The directory's `*.bin` pairs at the model's input size."""
-        return verification_sets(self.directory, self.image_shape[:2])
-
-    def _records(self, indices: np.ndarray) -> tf.data.Dataset:
-        return tf.data.Dataset.from_tensor_slices((indices, self.records.labels[indices]))
-
-    def _encoded_image(self, index):
-        def read(i):
-            return np.array(self.records.image_bytes(int(i)), dtype=object)
-
-        encoded = tf.numpy_function(read, [index], tf.string, stateful=False)
-        encoded.set_shape([])
-        return encoded
-
-    def _train_records(self, seed: int, skip: int) -> tf.data.Dataset:
-        records = self._records(self.train_indices)
-        records = records.shuffle(self.num_train, seed=seed, reshuffle_each_iteration=True)
-        return records.repeat().skip(skip)
-
-    def _ordered_train_records(self) -> tf.data.Dataset:
-        return self._records(self.train_indices)
-
-    def _sampled_train_records(self, sample: int) -> tf.data.Dataset:
-        picks = np.unique(np.linspace(0, self.num_train - 1, min(sample, self.num_train))
-                          .round().astype(int))
-        return self._records(self.train_indices[picks])
-
-    def _val_records(self) -> tf.data.Dataset:
-        return self._records(self.val_indices)
-
-    def _train_crop(self, position, item, draws):
-        """'flip': the whole image at the input size (resized if it is not), uint8; the
-        mirror is applied per batch (`_augment_batch`)."""
-        if self.augment != "flip":
-            return super()._train_crop(position, item, draws)
-        image, label = self._decode(*item)
-        pixels = eval_pixels(image[None], self.image_shape[:2])[0]
-        crop = tf.ensure_shape(tf.cast(tf.round(pixels), tf.uint8), self.image_shape)
-        return crop, label, position, draws.flip, draws.lighting
-
-    def _augment_batch(self, crops, labels, positions, flips, lighting, failed, on_device=False):
-        if self.augment != "flip":
-            return super()._augment_batch(crops, labels, positions, flips, lighting, failed,
-                                          on_device)
-        # a flip and a normalisation: finished here, on_device or not (little float work)
-        mirrored = tf.where(flips[:, None, None, None], tf.reverse(crops, axis=[2]), crops)
-        return normalize(mirrored, self.mean, self.std), labels, positions, failed

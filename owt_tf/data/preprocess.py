@@ -71,16 +71,28 @@ def train_draws(seed: int, start: int, lighting_std: float = 0.1) -> tf.data.Dat
     the stateless draws seeded by (seed, p // 256). They depend on the seed and the position
     only (not on skipped images, resumes or K), and one generator call serves 256 examples
     (per-example generator ops cost as much as a third of a JPEG decode)."""
+    return _draw_chunks(seed, start, lighting_std).unbatch()
 
+
+def train_draw_batches(seed: int, start: int, batch: int,
+                       lighting_std: float = 0.1) -> tf.data.Dataset:
+    """`train_draws(seed, start)` in batches of `batch` positions, cut from the generator's
+    chunks without handling each position on its own."""
+    return _draw_chunks(seed, start, lighting_std).rebatch(batch, drop_remainder=True)
+
+
+def _draw_chunks(seed: int, start: int, lighting_std: float) -> tf.data.Dataset:
+    """The draws of positions start, start+1, ... in the generator's chunks of DRAW_CHUNK
+    (the first cut to begin at `start`)."""
     def chunk(index):
         seeds = tf.random.experimental.stateless_split(
             tf.stack([tf.constant(seed, tf.int64), index]), 2)
         uniform = tf.random.stateless_uniform([DRAW_CHUNK, 3], seeds[0])
         lighting = tf.random.stateless_normal([DRAW_CHUNK, 3], seeds[1], stddev=lighting_std)
-        return TrainDraws(uniform[:, :2], uniform[:, 2] < 0.5, lighting)
+        skip = tf.where(index == start // DRAW_CHUNK, start % DRAW_CHUNK, 0)
+        return TrainDraws(uniform[skip:, :2], uniform[skip:, 2] < 0.5, lighting[skip:])
 
-    draws = tf.data.Dataset.counter(start // DRAW_CHUNK).map(chunk).unbatch()
-    return draws.skip(start % DRAW_CHUNK)
+    return tf.data.Dataset.counter(start // DRAW_CHUNK).map(chunk)
 
 
 def crop_window(image_hw: tf.Tensor, size: Tuple[int, int], corner: tf.Tensor) -> tf.Tensor:
@@ -130,10 +142,12 @@ def decode_train_crop(encoded: tf.Tensor, size: Tuple[int, int], channels: int,
 
 
 class DeviceBatch(NamedTuple):
-    """Training crops as a streamed dataset hands them to the CLI's step: uint8 [N, h, w, C],
-    each row's flip (bool [N]) and lighting draws (float32 [N, 3]). The step finishes them
-    on its device (`finish_images`): the float work leaves the input pipeline's cores (on
-    a GPU it is free) and a quarter of the bytes cross to the device."""
+    """Training crops as a streamed dataset hands them to the CLI's step: uint8 [N, h, w, C]
+    (float32 pixels in 0..255 under --augment none: the eval view, not rounded), each row's
+    flip (bool [N]) and lighting draws (float32 [N, 3]; zeros but for 'alexnet'). The step
+    finishes them on its device (`finish_images`): the float work leaves the input
+    pipeline's cores (on a GPU it is free) and, as uint8, a quarter of the bytes cross to
+    the device."""
 
     crops: tf.Tensor
     flips: tf.Tensor

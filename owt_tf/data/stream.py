@@ -26,8 +26,8 @@ import numpy as np
 import tensorflow as tf
 
 from owt_tf.data import DatasetError
-from owt_tf.data.preprocess import (DeviceBatch, TrainDraws, decode_train_crop, finish_images,
-                                     eval_pixels, eval_preprocess, normalize, train_draws)
+from owt_tf.data.preprocess import (DeviceBatch, TrainDraws, decode_train_crop, eval_pixels,
+                                     eval_preprocess, finish_images, train_draw_batches)
 
 STATS_SAMPLE = 1000  # training images behind a dataset's own mean and spread
 
@@ -49,7 +49,8 @@ class StreamDataset:
     # before datasets had their own (input_stats.json).
     mean: Tuple[float, ...] = (123.68, 116.78, 103.94)
     std: Tuple[float, ...] = (58.4, 57.1, 57.4)
-    augment: str = "alexnet"  # AUGMENTATIONS less 'auto'; load_dataset resolves it
+    # AUGMENTATIONS less 'auto', or 'flip' (face sets); load_dataset resolves it
+    augment: str = "alexnet"
 
     @property
     def trains_with_flips(self) -> bool:
@@ -111,10 +112,11 @@ class StreamDataset:
         replaced by the next one of its global batch that does: the module docstring);
         `failed` counts the candidates that failed before each row's image (`global_batch`:
         none of the global batch decoded, the row is zeros). Each example decodes only its
-        crop window (JPEG) and is resized to the input size as uint8; flip, lighting and
-        normalisation run once per batch, here, or (`on_device`, what the CLI reads) in the
-        step on its device: the images are then DeviceBatch(uint8 crops, flips, lighting),
-        which preprocess.finish_images turns into the same float32 input."""
+        crop window (JPEG) and is resized to the input size as uint8 (augment 'none': the
+        eval view, float32 pixels); flip, lighting and normalisation run once per batch,
+        here, or (`on_device`, what the CLI reads) in the step on its device: the images
+        are then DeviceBatch(crops, flips, lighting), which preprocess.finish_images turns
+        into the same float32 input."""
         if self.num_train < global_batch:
             raise DatasetError(f"{self.name}: {self.num_train} training images is fewer than "
                                f"one global batch of {global_batch}")
@@ -123,14 +125,24 @@ class StreamDataset:
             raise DatasetError(f"rows {first}..{first + count - 1} are not rows of a global "
                                f"batch of {global_batch}")
         self._check_readable()
-        # Each example's augmentation is drawn from the seed and its stream position: repeatable.
-        indexed = tf.data.Dataset.zip((tf.data.Dataset.counter(start),
-                                       self._train_records(seed, start), train_draws(seed, start)))
-        # Whole global batches of undecoded records: a row's substitutes come from its batch.
-        batches = indexed.batch(global_batch, drop_remainder=True)
+        # Whole global batches of undecoded records (a row's substitutes come from its
+        # batch), with their positions and augmentation draws (from the seed and the
+        # position: repeatable), each made a batch at a time rather than per example.
+        positions = tf.data.Dataset.counter().map(
+            lambda i: start + i * global_batch + tf.range(global_batch, dtype=tf.int64))
+        batches = tf.data.Dataset.zip((positions,
+                                       self._train_record_batches(seed, start, global_batch),
+                                       train_draw_batches(seed, start, global_batch)))
 
         def own_rows(positions, records, draws):
-            return self._own_rows(first, count, positions, records, draws, global_batch)
+            # Every row's own record decoded in one function (no dataset per row), unless
+            # one fails to: then the batch is made again row by row, with substitutes.
+            batch = tf.data.Dataset.from_tensors((positions, records, draws))
+            at_once = batch.map(lambda *batch: self._own_rows_at_once(first, count, *batch))
+            # flat_map: the row-by-row pipeline is built only for a batch that needs it
+            row_by_row = batch.flat_map(
+                lambda *batch: self._own_rows(first, count, *batch, global_batch))
+            return at_once.ignore_errors().concatenate(row_by_row).take(1)
 
         # One element per global batch (its rows assembled), in order, batches in parallel.
         ds = batches.interleave(own_rows, cycle_length=tf.data.AUTOTUNE, block_length=1,
@@ -138,37 +150,72 @@ class StreamDataset:
         finish = functools.partial(self._augment_batch, on_device=on_device)
         return ds.map(finish, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(2)
 
+    def _train_record_batches(self, seed: int, skip: int, batch: int) -> tf.data.Dataset:
+        """`_train_records(seed, skip)` in whole batches of `batch` records."""
+        return self._train_records(seed, skip).batch(batch, drop_remainder=True)
+
+    def _own_rows_at_once(self, first, count, positions, records, draws):
+        """Rows first ... first+count-1 of one global batch as (crops, labels, positions,
+        flips, lighting, failed), every row from its own record (`_common_train_crop`) in
+        one loop; an error if any row's record fails (`_own_rows` then makes the batch)."""
+        files, labels = records
+        own = slice(first, first + count)
+        rows = (positions[own], files[own], labels[own], draws.corner[own], draws.flip[own],
+                draws.lighting[own])
+
+        def crop(row):
+            position, record, label, corner, flip, lighting = row
+            return self._common_train_crop(position, (record, label),
+                                           TrainDraws(corner, flip, lighting))
+
+        pixels = tf.float32 if self.augment == "none" else tf.uint8
+        signature = (tf.TensorSpec(self.image_shape, pixels), tf.TensorSpec([], tf.int32),
+                     tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.bool),
+                     tf.TensorSpec([3], tf.float32))
+        crops = tf.map_fn(crop, rows, fn_output_signature=signature)
+        return (*crops, tf.zeros([count], tf.int64))
+
+    def _common_train_crop(self, position, item, draws):
+        """`_train_crop` of a record as most are (a subclass may skip a check here that
+        _train_crop makes: an error, not another crop, where that check would matter)."""
+        return self._train_crop(position, item, draws)
+
     def _own_rows(self, first, count, positions, records, draws,
                   global_batch: int) -> tf.data.Dataset:
         """Rows first ... first+count-1 of one global batch, as a dataset of exactly one
-        (crops, labels, positions, flips, lighting, failed) with `count` rows. Every row's
-        own record is decoded in one parallel map; only rows whose own record failed take
-        the per-row path of substitutes (`_row_image`). A nested dataset per row costs
-        about a third of decoding its crop, so the common case builds none (`bench --input`:
-        0.59x -> 0.75x the bare decode rate)."""
+        (crops, labels, positions, flips, lighting, failed) with `count` rows, made row by
+        row: a batch gets here only when `_own_rows_at_once` failed. Every row's own record
+        is decoded in one parallel map; only rows whose own record failed take the per-row
+        path of substitutes (`_row_image`). A nested dataset per row costs about a third of
+        decoding its crop, so the rows that decode build none."""
         files, labels = records
         rows = tf.range(first, first + count, dtype=tf.int64)
+        own = slice(first, first + count)
 
-        def own_record(row):
+        def own_record(row, position, record, label, corner, flip, lighting):
             crop, label, position, flip, lighting = self._train_crop(
-                positions[row], (files[row], labels[row]), self._row_draws(draws, row))
+                position, (record, label), TrainDraws(corner, flip, lighting))
             return row, crop, label, position, flip, lighting, tf.constant(0, tf.int64)
 
-        decoded = tf.data.Dataset.from_tensor_slices(rows).map(
-            own_record, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        # Each row's inputs sliced once per batch, not indexed in the per-row function (six
+        # gathers a row: an eighth of a 112x112 face's decode).
+        decoded = tf.data.Dataset.from_tensor_slices(
+            (rows, positions[own], files[own], labels[own], draws.corner[own], draws.flip[own],
+             draws.lighting[own])).map(own_record, num_parallel_calls=tf.data.AUTOTUNE,
+                                       deterministic=True)
         decoded = decoded.ignore_errors(log_warning=True)
-        # A row -1 marks the end, so that the batch below exists even when no row decoded.
-        end = self._empty_row(-1, positions[0], self._row_draws(draws, 0), 0)
-        survivors = decoded.concatenate(tf.data.Dataset.from_tensors(end)).batch(count + 1)
+        # Exactly one batch of the rows that decoded (an empty one when none did).
+        empty = self._empty_row(-1, positions[0], self._row_draws(draws, 0), 0)
+        none = tf.data.Dataset.from_tensors(tuple(tf.expand_dims(t, 0)[:0] for t in empty))
+        survivors = decoded.batch(count).concatenate(none).take(1)
 
-        def with_substitutes(*survivors):
-            kept = tuple(t[:-1] for t in survivors)
+        def with_substitutes(*kept):
             present = tf.reduce_any(tf.equal(rows[:, None], kept[0][None, :]), axis=1)
             missing = tf.boolean_mask(rows, tf.logical_not(present))
             substitutes = tf.data.Dataset.from_tensor_slices(missing).flat_map(
                 lambda row: self._row_image(row, positions, records, draws, global_batch))
-            none = tf.data.Dataset.from_tensors(tuple(t[:0] for t in kept))
-            extra = substitutes.batch(count).concatenate(none).take(1)
+            nothing = tf.data.Dataset.from_tensors(tuple(t[:0] for t in kept))
+            extra = substitutes.batch(count).concatenate(nothing).take(1)
             return extra.map(lambda *extra: self._merged_in_row_order(kept, extra))
 
         return survivors.flat_map(with_substitutes)
@@ -228,10 +275,10 @@ class StreamDataset:
         return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
 
     def _augment_batch(self, crops, labels, positions, flips, lighting, failed, on_device=False):
-        if self.augment == "none":
-            return normalize(crops, self.mean, self.std), labels, positions, failed
-        if self.augment == "crop":  # the same draws, the flip and lighting left out
+        if self.augment in ("none", "crop"):  # the same draws, flip and lighting left out
             flips, lighting = tf.zeros_like(flips), tf.zeros_like(lighting)
+        elif self.augment == "flip":  # the mirror alone (face sets: arcface_torch's)
+            lighting = tf.zeros_like(lighting)
         images = DeviceBatch(crops, flips, lighting)
         if not on_device:
             images = finish_images(images, self.mean, self.std)

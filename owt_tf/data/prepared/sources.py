@@ -115,7 +115,7 @@ def _file_split(files: np.ndarray, labels: np.ndarray, root: str) -> SplitSource
 def _insightface_source(directory: str) -> Source:
     """train.rec's images as InsightFaceDataset splits them (one image of each of up to
     10,000 identities held out for validation); labels: the identities."""
-    from owt_tf.data.insightface import InsightFaceDataset
+    from owt_tf.data.insightface_stream import InsightFaceDataset
 
     data = InsightFaceDataset(directory, (112, 112, 3))
     records = data.records
@@ -130,7 +130,7 @@ def _insightface_source(directory: str) -> Source:
             return f"train.rec key {int(records.keys[indices[i]])}"
 
         listing = [[int(records.keys[i]), int(records.labels[i])] for i in indices]
-        splits[split] = SplitSource(len(indices), items, data._encoded_image, name_of, listing,
+        splits[split] = SplitSource(len(indices), items, data.encoded_record, name_of, listing,
                                     lambda i, indices=indices: tf.constant(indices[i]))
     names = [str(i) for i in range(records.num_identities)]
     return Source(f"insightface:{os.path.abspath(directory)}", names, splits)
