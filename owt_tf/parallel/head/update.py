@@ -13,8 +13,8 @@ variable. Padding entries of a sample (ids past its real size, `valid` False) do
 move.
 
 A rate of 1 never comes here: the dense update stays exactly the one-device update.
-Optimizers other than SGD are refused with a sample (owt_tf.fit.compiling): Adam's moments
-and bias correction have no sparse form that equals the dense one, and TensorFlow's lazy
+Optimizers other than SGD are refused with a sample (owt_tf.fit.updates.KerasShardOptimizer):
+Adam's moments and bias correction have no sparse form that equals the dense one, and TensorFlow's lazy
 Adam left with TF Addons.
 """
 from __future__ import annotations
