@@ -172,16 +172,18 @@ def test_skip_nonfinite_undoes_the_step_exactly(devices, tmp_path):
     before = every_copy(trainer)
     saved_before = checkpoint_tensors(trainer, tmp_path / "before")
     m = trainer.train_step()
-    # NaN pixels: ReLU and max-pool drop them forward (the loss stays finite), but conv1's
-    # kernel gradient multiplies by them
-    assert m.nonfinite == "gradient of alexnet_tiny_trunk/conv1/kernel" and int(trainer.skipped_steps) == 1
+    # NaN pixels: whether ReLU and max-pool drop them forward depends on the kernel (XLA's
+    # max propagates NaN, so the loss may be NaN too), but conv1's kernel gradient always
+    # multiplies by them: the report names it either way.
+    assert "gradient of alexnet_tiny_trunk/conv1/kernel" in m.nonfinite
+    assert int(trainer.skipped_steps) == 1
     assert int(trainer.step) == 3
     after = every_copy(trainer)
     assert len(after) > len(trainer._state_variables())  # the mirrored ones counted per replica
     assert all(np.array_equal(b, a) for b, a in zip(before, after, strict=True))
     saved_after = checkpoint_tensors(trainer, tmp_path / "after")
     assert len(saved_before) > 20 and not changed_tensors(saved_before, saved_after)
-    with pytest.raises(NonFiniteError, match="step 4: non-finite gradient of .*conv1/kernel"):
+    with pytest.raises(NonFiniteError, match="step 4: non-finite .*gradient of .*conv1/kernel"):
         trainer.train_step()
 
 

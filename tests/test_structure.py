@@ -191,3 +191,10 @@ def test_hybrid_strategy_stays_a_thin_front():
     public = [f.name for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")]
     assert len(public) <= 12, public
     assert not any(m.startswith("owt_tf.training") for _, m in imported_modules(PACKAGE / "parallel" / "strategy.py"))
+
+
+def test_each_test_leaves_its_heap_out_of_later_collections(request):
+    """conftest.py's autouse fixture (gc.freeze after each test) is active: without it a
+    worker's late tests ran several times slower (the suite once doubled when a merge lost
+    it). Nothing else notices it missing: every test still passes, only slower."""
+    assert "_heap_of_earlier_tests_left_out_of_collections" in request.fixturenames
