@@ -135,11 +135,12 @@ def compare_with_reference(devices, scheme: str, k: int, batch: int, fc_batch: s
         worst["weights"] = max(worst["weights"], rel_err(gk, wk), rel_err(gb, wb))
     # Each weight's update against the reference's, per tensor: after a few steps an update
     # is ~1e-4 of its weight, so a wrong rate or decay hides below a weight-relative check.
-    flat = [(g, w, s) for g, w, s in zip(got_w["trunk"], want_w["trunk"], start["trunk"],
-                                        strict=True)]
+    head = []
     for got_pair, want_pair, start_pair in zip(got_w["head"], want_w["head"], start["head"],
                                                strict=True):
-        flat += list(zip(got_pair, want_pair, start_pair, strict=True))
-    worst["updates"] = max(update_err(g, w, s) for g, w, s in flat)
+        head += list(zip(got_pair, want_pair, start_pair, strict=True))
+    trunk = zip(got_w["trunk"], want_w["trunk"], start["trunk"], strict=True)
+    worst["fc_updates"] = max(update_err(g, w, s) for g, w, s in head)
+    worst["updates"] = max([worst["fc_updates"]] + [update_err(g, w, s) for g, w, s in trunk])
     return {"worst": worst, "ledger": driver.ledger, "trunk_params": model.trunk.count_params(),
             "features": spec.trunk_output_dim(model.trunk), "spec": spec, "rounds": rounds}

@@ -3,6 +3,8 @@
 Dropout off; 3 optimizer steps of SGD + momentum + weight decay; fp32, 1e-5 relative.
 The same runs check the byte ledger against the closed-form traffic formula, exactly.
 """
+import dataclasses
+
 import pytest
 
 from engine_harness import DISTINCT_FC_LR, compare_with_reference
@@ -17,9 +19,21 @@ TOL = 1e-5
 UPDATE_TOL = 5e-5
 
 
-def _assert_close(worst) -> None:
+# XLA's CPU convolutions round differently from TensorFlow's kernels (and differently on
+# AVX2 and AVX-512 hosts), so now and then a max-pool window whose two largest values are
+# within rounding of each other sends its gradient to the other pixel: measured, owt-b at
+# K = 4 on an AVX2 host, conv1's kernel gradient 1.4e-3 off (per-tensor norm), conv2's
+# 2e-4, the loss 1.8e-7 and the FC gradients 4.6e-6 (no XLA: 1.4e-6 everywhere). Only the
+# trunk's gradients and what they move get this bound (the FC updates keep theirs): a
+# trunk gradient not reduced, or scaled by K, is off by 0.5 or more.
+XLA_TRUNK_TOL = 5e-3
+
+
+def _assert_close(worst, trunk_bound: float = TOL) -> None:
     for what, err in worst.items():
-        bound = UPDATE_TOL if what == "updates" else TOL
+        bound = UPDATE_TOL if what in ("updates", "fc_updates") else TOL
+        if what in ("trunk_grads", "weights", "updates"):
+            bound = max(bound, trunk_bound)
         assert err < bound, f"{what}: relative error {err:.3g}"
 
 CASES = (
@@ -112,7 +126,7 @@ JIT_CASES = [("owt-a", 2, "global", "gather"), ("owt-b", 4, "worker", "colrow"),
 @pytest.mark.parametrize("scheme,k,fc_batch,fc_exchange", JIT_CASES, ids=[_id(c) for c in JIT_CASES])
 def test_xla_compiled_trunk_stays_exact(devices, scheme, k, fc_batch, fc_exchange):
     result = compare_with_reference(devices, scheme, k, 8, fc_batch, fc_exchange, jit=True, steps=2)
-    _assert_close(result["worst"])
+    _assert_close(result["worst"], trunk_bound=XLA_TRUNK_TOL)
 
 
 def test_reference_catches_a_wrong_gradient(devices, monkeypatch):
@@ -144,8 +158,8 @@ def test_reference_catches_a_wrong_rate_or_decay(devices, monkeypatch, mutant):
         built = (real(hybrid, model, fc_lr, conv_lr, momentum, weight_decay)
                  if mutant == "rates swapped" else real(hybrid, model, conv_lr, fc_lr, momentum,
                                                          weight_decay))
-        if mutant != "rates swapped":
-            built.fc.weight_decay = weight_decay * 0.9
+        if mutant != "rates swapped":  # the shards' own rule (owt_tf.parallel.head.update)
+            built.fc.rule = dataclasses.replace(built.fc.rule, weight_decay=weight_decay * 0.9)
         return built
 
     monkeypatch.setattr("engine_harness.build_optimizer", wrong)

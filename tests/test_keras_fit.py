@@ -85,9 +85,12 @@ def test_single_dense_head_logits_and_numpy_input(devices):
         parallel = owt_tf.parallelize(copy_of(reference))
         parallel.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"])
     reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"])
+    before = reference.get_weights()
     want = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     got = parallel.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
-    assert max_rel_diff(parallel.to_keras_model().get_weights(), reference.get_weights()) < 1e-5
+    # By the update (Adam divides by sqrt(v): a weight-relative check saw rounding at 2.3e-5)
+    assert update_rel_diff(before, parallel.to_keras_model().get_weights(),
+                           reference.get_weights()) < 1e-4
     assert got["loss"][0] == pytest.approx(want["loss"][0], rel=1e-5)
 
 
