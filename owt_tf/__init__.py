@@ -16,6 +16,7 @@ _LAZY = {
     "HybridStrategy": "owt_tf.parallel.strategy",
     "parallelize": "owt_tf.fit.parallelize",
     "ParallelModel": "owt_tf.fit.model",
+    "fit_dataset": "owt_tf.fit.named_datasets",
     "ParallelPlan": "owt_tf.planner.plan",
     "Trainer": "owt_tf.training.loop",
     "RunConfig": "owt_tf.config",
@@ -31,4 +32,4 @@ def __getattr__(name):
 
 
 __all__ = ["setup_devices", "HybridStrategy", "parallelize", "ParallelModel", "ParallelPlan",
-           "models", "Trainer", "RunConfig", "__version__"]
+           "fit_dataset", "models", "Trainer", "RunConfig", "__version__"]

@@ -11,4 +11,5 @@
     callbacks.py    which worker writes Keras callbacks' files in a cluster
     view.py         what summary, get_layer, count_params and TensorBoard see of the head
     data.py         static global batches from arrays and datasets
+    named_datasets.py  `owt_tf.fit_dataset(name, ...)`: any owt_tf dataset for `fit`
 """
