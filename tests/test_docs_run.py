@@ -1,4 +1,4 @@
-"""docs/faces.md's Python, run as written in a fresh process (a user's: no test devices set
+"""docs/faces.md's and docs/keras.md's Python, run as written in a fresh process (a user's: no test devices set
 up), then its `evaluate --verification` line on what the snippet exported; and its command
 lines for the `faces` preset, as written."""
 import os
@@ -89,3 +89,20 @@ def test_the_faces_pages_keras_recipe_runs_as_written(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "faces (600 pairs): verification accuracy" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_keras_pages_python_runs_as_written_in_one_process(tmp_path):
+    """docs/keras.md's Python blocks, in order, in one fresh process (a later block uses what
+    an earlier one defined), on the embedded digits and faces sets it names."""
+    blocks = python_blocks("docs/keras.md")
+    assert len(blocks) >= 4 and "owt_tf.fit_dataset(" in blocks[0]
+    proc = subprocess.run([sys.executable, "-c", "\n\n".join(blocks)], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for written in ("m.keras", "best.keras", "serving/1/saved_model.pb", "logs/train"):
+        assert (tmp_path / written).exists(), written
+    import keras
+
+    plain = keras.models.load_model(tmp_path / "m.keras")  # a plain model: no owt_tf needed
+    assert plain.output_shape == (None, 10)

@@ -10,10 +10,11 @@ float work per pixel and four times the bytes to the device. The normalisation i
 layer (`FitData.normalization`, the set's own per-channel mean and spread) that the model
 applies on its device, as the CLI finishes its uint8 crops in the step.
 
-Each iteration of the dataset is one epoch: every image of the split exactly once, in a
-new order (seeded), whole batches only. Keras iterates a dataset afresh each epoch, and
+Each iteration of the dataset is one epoch: one pass over the split in a new order
+(seeded); in training, whole batches only (the few images of a last partial batch wait for
+another epoch's order). Keras iterates a dataset afresh each epoch, and
 `keras.callbacks.BackupAndRestore` resumes at an epoch boundary (Keras 3 restores the
-epoch, not a position inside it), so a resumed fit neither repeats nor skips an image.
+epoch, not a position inside it), so a resumed fit reads no image twice in an epoch.
 Training sees the images as stored (resized as the evaluation view when they are not at
 the input size): augmentation, e.g. `keras.layers.RandomFlip`, is the model's to add.
 """
@@ -35,7 +36,7 @@ class FitData(NamedTuple):
     """What `fit_dataset` returns."""
 
     dataset: tf.data.Dataset  # (uint8 images [B, H, W, C], int32 labels [B])
-    steps_per_epoch: int  # whole batches in one pass over the split
+    steps_per_epoch: int  # batches in one pass over the split
     num_classes: int
     normalization: keras.layers.Layer  # uint8 pixels -> the set's normalised float input
 
@@ -47,7 +48,8 @@ def fit_dataset(name: str, image_shape: Tuple[int, int, int], batch_size: int, *
     `insightface:DIR`, `tfds:NAME`, `imagenet2012`) for Keras `fit`: batches of
     `batch_size` (uint8 images of `image_shape`, int32 labels) from `split` ('train' or
     'validation'), shuffled afresh each epoch from `seed` (`shuffle=False`: stored order).
-    A last partial batch is dropped, so that every batch has the same static shape."""
+    Training drops a last partial batch (every batch one static shape, as a hybrid step
+    needs); the validation split keeps it (evaluate counts every image)."""
     if split not in ("train", "validation"):
         raise DatasetError(f"split must be 'train' or 'validation', not {split!r}")
     if batch_size < 1:
@@ -58,14 +60,15 @@ def fit_dataset(name: str, image_shape: Tuple[int, int, int], batch_size: int, *
         rows, count = _array_rows(source, split)
     else:
         rows, count = _stream_rows(source, split)
-    steps = count // batch_size
+    whole = split == "train"  # fit's batches all one shape; evaluation keeps every image
+    steps = count // batch_size if whole else -(-count // batch_size)
     if steps == 0:
         raise DatasetError(f"{name}: {count} {split} images is fewer than one batch of "
                            f"{batch_size}")
     if shuffle:  # records are shuffled before they are decoded (file names, bytes, indices)
         rows = rows.shuffle(count, seed=seed, reshuffle_each_iteration=True)
     decoded = rows.map(_decoder(source, tuple(image_shape)), num_parallel_calls=tf.data.AUTOTUNE)
-    dataset = decoded.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    dataset = decoded.batch(batch_size, drop_remainder=whole).prefetch(tf.data.AUTOTUNE)
     mean, std = _statistics(source)
     normalization = keras.layers.Normalization(mean=list(mean), variance=list(std ** 2),
                                                name="owt_tf_input_normalization")
