@@ -1,6 +1,6 @@
-"""docs/faces.md's and docs/keras.md's Python, run as written in a fresh process (a user's: no test devices set
-up), then its `evaluate --verification` line on what the snippet exported; and its command
-lines for the `faces` preset, as written."""
+"""docs/faces.md's and docs/keras.md's Python, run as written in fresh processes (a user's:
+no test devices set up); faces.md's `evaluate --verification` line on what its snippet
+exported; and its command lines for the `faces` preset, as written."""
 import os
 import re
 import shlex
