@@ -68,7 +68,7 @@ def fit_dataset(name: str, image_shape: Tuple[int, int, int], batch_size: int, *
     if shuffle:  # records are shuffled before they are decoded (file names, bytes, indices)
         rows = rows.shuffle(count, seed=seed, reshuffle_each_iteration=True)
     decoded = rows.map(_decoder(source, tuple(image_shape)), num_parallel_calls=tf.data.AUTOTUNE)
-    dataset = decoded.batch(batch_size, drop_remainder=whole).prefetch(tf.data.AUTOTUNE)
+    dataset = decoded.batch(batch_size, drop_remainder=whole)  # fit prefetches what it feeds
     mean, std = _statistics(source)
     normalization = keras.layers.Normalization(mean=list(mean), variance=list(std ** 2),
                                                name="owt_tf_input_normalization")
