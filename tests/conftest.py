@@ -8,12 +8,6 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow is imported
-# One intra-op thread per TensorFlow process (this one and every process a test starts): the
-# suite runs two pytest-xdist workers on CI's two cores, and TensorFlow's default (a thread
-# per core in each process, spinning while it waits) oversubscribes them. Measured on two
-# cores: two 150-step demo runs side by side 155.8 s -> 95.3 s wall; the Keras recipe and
-# weight tests (test_keras_recipes.py, test_keras_weights.py) 224 s -> 211 s.
-os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 
 import pytest  # noqa: E402
 
