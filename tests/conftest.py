@@ -30,8 +30,8 @@ def _heap_of_earlier_tests_left_out_of_collections():
     objects behind in TensorFlow's caches (a traced step's graph among them; plain Keras
     ~1,400, MirroredStrategy ~4,300), and `parallelize` runs two full collections: without
     this, by a worker's 200th test every collection walked millions of objects and took
-    seconds (measured: 0.3 s at 0.5 M objects, 2.4 s at 1.9 M). It was lost once in a merge
-    (the suite went from 40 to 77 minutes): tests/test_structure.py checks it is active."""
+    seconds (measured: 0.3 s at 0.5 M objects, 2.4 s at 1.9 M). It was lost once in a merge,
+    and nothing failed: tests/test_structure.py checks it is active."""
     yield
     gc.collect()
     gc.freeze()

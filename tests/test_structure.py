@@ -195,6 +195,6 @@ def test_hybrid_strategy_stays_a_thin_front():
 
 def test_each_test_leaves_its_heap_out_of_later_collections(request):
     """conftest.py's autouse fixture (gc.freeze after each test) is active: without it a
-    worker's late tests ran several times slower (the suite once doubled when a merge lost
-    it). Nothing else notices it missing: every test still passes, only slower."""
+    worker's late tests run slower (full collections walk every earlier test's leftovers).
+    Nothing else notices it missing (a merge once lost it): every test still passes."""
     assert "_heap_of_earlier_tests_left_out_of_collections" in request.fixturenames
