@@ -79,7 +79,7 @@ def fit_dataset(name: str, image_shape: Tuple[int, int, int], batch_size: int, *
 def _statistics(source) -> Tuple[np.ndarray, np.ndarray]:
     """The per-channel mean and spread the CLI normalises this set with: its own (sampled
     from the training images) for a streamed set that has them, else the set's fixed ones
-    (ImageNet's, InsightFace's 127.5 and 128)."""
+    (ImageNet's; InsightFace's mean and spread of 127.5)."""
     mean, std = source.mean, source.std
     if not isinstance(source, ArrayDataset) and source.has_own_statistics:
         mean, std, _ = source.input_statistics()
