@@ -172,9 +172,9 @@ def test_skip_nonfinite_undoes_the_step_exactly(devices, tmp_path):
     before = every_copy(trainer)
     saved_before = checkpoint_tensors(trainer, tmp_path / "before")
     m = trainer.train_step()
-    # NaN pixels: whether ReLU and max-pool drop them forward depends on the kernel (XLA's
-    # max propagates NaN, so the loss may be NaN too), but conv1's kernel gradient always
-    # multiplies by them: the report names it either way.
+    # NaN pixels: whether ReLU and max-pool drop them forward depends on the kernels (a max
+    # that propagates NaN makes the loss NaN too: the report then names the loss first), but
+    # conv1's kernel gradient always multiplies by them: the report names it either way.
     assert "gradient of alexnet_tiny_trunk/conv1/kernel" in m.nonfinite
     assert int(trainer.skipped_steps) == 1
     assert int(trainer.step) == 3
