@@ -63,6 +63,20 @@ class ArrayDataset:
     def _prepare(self, images, labels):
         return normalize(images, self.mean, self.std), labels
 
+    def stored_rows(self, split: str) -> Tuple[tf.data.Dataset, int]:
+        """One pass over `split` ('train' or 'validation') as (uint8 image, int32 label)
+        pairs in stored order, and how many there are (already decoded: see
+        `decode_at_input_size`)."""
+        images, labels = ((self.train_images, self.train_labels) if split == "train"
+                          else (self.val_images, self.val_labels))
+        return (tf.data.Dataset.from_tensor_slices((images, labels.astype(np.int32))),
+                len(labels))
+
+    @staticmethod
+    def decode_at_input_size(image, label):
+        """The stored images are at the input size already."""
+        return image, label
+
     @property
     def num_train(self) -> int:
         return len(self.train_labels)

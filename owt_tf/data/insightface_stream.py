@@ -21,7 +21,6 @@ import tensorflow as tf
 
 from owt_tf.data import DatasetError
 from owt_tf.data.insightface import held_out_for_validation, open_record_set, verification_sets
-from owt_tf.data.preprocess import eval_pixels
 from owt_tf.data.stream import StreamDataset
 from owt_tf.data.verification import VerificationPairs
 
@@ -133,7 +132,7 @@ class InsightFaceDataset(StreamDataset):
         encoded, label = item
         image = tf.io.decode_image(encoded, channels=self.image_shape[-1],
                                    expand_animations=False)
-        crop = tf.ensure_shape(self._at_input_size(image), self.image_shape)
+        crop = tf.ensure_shape(self.at_input_size(image), self.image_shape)
         return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
 
     def _common_train_crop(self, position, item, draws):
@@ -147,15 +146,3 @@ class InsightFaceDataset(StreamDataset):
         crop = tf.ensure_shape(crop, self.image_shape)
         return crop, tf.cast(label, tf.int32), position, draws.flip, draws.lighting
 
-    def _at_input_size(self, image: tf.Tensor) -> tf.Tensor:
-        """uint8 [H, W, C] -> uint8 at the input size: as it is when it already is, else
-        the eval view (eval_pixels) rounded."""
-        h, w = self.image_shape[:2]
-        shape = tf.shape(image)
-        same = tf.logical_and(tf.equal(shape[0], h), tf.equal(shape[1], w))
-
-        def resized():
-            pixels = eval_pixels(image[None], (h, w))[0]
-            return tf.cast(tf.round(pixels), tf.uint8)
-
-        return tf.cond(same, lambda: image, resized)

@@ -292,6 +292,33 @@ class StreamDataset:
         image.set_shape([None, None, c])
         return image, tf.cast(label, tf.int32)
 
+    def at_input_size(self, image: tf.Tensor) -> tf.Tensor:
+        """uint8 [H, W, C] -> uint8 at the input size: as it is when it already is, else
+        the eval view (eval_pixels) rounded (bilinear weights are convex: within 0..255)."""
+        h, w = self.image_shape[:2]
+        shape = tf.shape(image)
+        same = tf.logical_and(tf.equal(shape[0], h), tf.equal(shape[1], w))
+
+        def resized():
+            pixels = eval_pixels(image[None], (h, w))[0]
+            return tf.cast(tf.round(pixels), tf.uint8)
+
+        return tf.cond(same, lambda: image, resized)
+
+    def stored_rows(self, split: str) -> Tuple[tf.data.Dataset, int]:
+        """One pass over `split` ('train' or 'validation') as undecoded (record, label)
+        pairs in stored order, and how many there are; `decode_at_input_size` decodes one."""
+        if split == "train":
+            return self._ordered_train_records(), self.num_train
+        records = self._val_records()
+        known = int(records.cardinality())
+        return records, known if known >= 0 else int(records.reduce(0, lambda n, _: n + 1))
+
+    def decode_at_input_size(self, record, label):
+        """(record, label) -> (uint8 image at the input size, int32 label)."""
+        image, label = self._decode(record, label)
+        return tf.ensure_shape(self.at_input_size(image), self.image_shape), label
+
     def decoded_train_records(self, seed: int) -> tf.data.Dataset:
         """The training records in training order, each image decoded whole and nothing else
         (the benchmark's baseline for the training pipeline)."""

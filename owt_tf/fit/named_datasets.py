@@ -29,7 +29,6 @@ import tensorflow as tf
 from owt_tf.data import DatasetError
 from owt_tf.data.arrays import ArrayDataset
 from owt_tf.data.datasets import load_dataset
-from owt_tf.data.preprocess import eval_pixels
 
 
 class FitData(NamedTuple):
@@ -56,10 +55,7 @@ def fit_dataset(name: str, image_shape: Tuple[int, int, int], batch_size: int, *
         raise DatasetError(f"batch_size must be positive, not {batch_size}")
     source = load_dataset(name, tuple(image_shape), seed=seed, data_dir=data_dir,
                           augment="none")
-    if isinstance(source, ArrayDataset):
-        rows, count = _array_rows(source, split)
-    else:
-        rows, count = _stream_rows(source, split)
+    rows, count = source.stored_rows(split)
     whole = split == "train"  # fit's batches all one shape; evaluation keeps every image
     steps = count // batch_size if whole else -(-count // batch_size)
     if steps == 0:
@@ -67,7 +63,7 @@ def fit_dataset(name: str, image_shape: Tuple[int, int, int], batch_size: int, *
                            f"{batch_size}")
     if shuffle:  # records are shuffled before they are decoded (file names, bytes, indices)
         rows = rows.shuffle(count, seed=seed, reshuffle_each_iteration=True)
-    decoded = rows.map(_decoder(source, tuple(image_shape)), num_parallel_calls=tf.data.AUTOTUNE)
+    decoded = rows.map(source.decode_at_input_size, num_parallel_calls=tf.data.AUTOTUNE)
     dataset = decoded.batch(batch_size, drop_remainder=whole)  # fit prefetches what it feeds
     mean, std = _statistics(source)
     normalization = keras.layers.Normalization(mean=list(mean), variance=list(std ** 2),
@@ -84,35 +80,3 @@ def _statistics(source) -> Tuple[np.ndarray, np.ndarray]:
     if not isinstance(source, ArrayDataset) and source.has_own_statistics:
         mean, std, _ = source.input_statistics()
     return np.asarray(mean, np.float32), np.asarray(std, np.float32)
-
-
-def _array_rows(source: ArrayDataset, split: str) -> Tuple[tf.data.Dataset, int]:
-    images, labels = ((source.train_images, source.train_labels) if split == "train"
-                      else (source.val_images, source.val_labels))
-    return tf.data.Dataset.from_tensor_slices((images, labels.astype(np.int32))), len(labels)
-
-
-def _stream_rows(source, split: str) -> Tuple[tf.data.Dataset, int]:
-    records = source._ordered_train_records() if split == "train" else source._val_records()
-    count = source.num_train if split == "train" else _count(records)
-    return records, count
-
-
-def _count(records: tf.data.Dataset) -> int:
-    known = int(records.cardinality())
-    return known if known >= 0 else int(records.reduce(0, lambda n, _: n + 1))
-
-
-def _decoder(source, image_shape):
-    """(record, label) -> (uint8 image of `image_shape`, int32 label)."""
-    if isinstance(source, ArrayDataset):
-        return lambda image, label: (image, label)
-
-    def decode(record, label):
-        image, label = source._decode(record, label)
-        # the evaluation view (unchanged at the input size, else resized and centre-cropped)
-        # back to uint8: bilinear weights are convex, so it stays within 0..255
-        pixels = eval_pixels(image[None], image_shape[:2])[0]
-        return tf.cast(tf.round(pixels), tf.uint8), label
-
-    return decode
