@@ -11,6 +11,10 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow is imported
 
 import pytest  # noqa: E402
 
+from owt_tf.runtime.startup import keep_freed_heap  # noqa: E402
+
+keep_freed_heap()  # as the entry points do; the suite's processes inherit it (its docstring)
+
 from owt_tf.runtime.devices import setup_devices  # noqa: E402
 
 NUM_TEST_DEVICES = 16
