@@ -47,7 +47,6 @@ def test_bench_starts_tensorflow_quietly():
     assert "owt-b" in proc.stdout and "MB/step" in proc.stdout
 
 
-
 # A fresh process frees 200 MB of 100 KB blocks (below glibc's mmap threshold: heap, not
 # mmap) and prints how much of it its resident set still holds.
 FREED_HEAP = """
@@ -73,27 +72,39 @@ print((rss() - before) / 2000 / 100_000)
 """
 
 
+# A process that keeps its freed heap, then measures FREED_HEAP in a child of its own with
+# glibc's defaults asked for there: what the child inherits through the environment alone.
+PARENT = """
+import subprocess, sys
+sys.path.insert(0, {root!r})
+from owt_tf.runtime.startup import keep_freed_heap
+assert keep_freed_heap()
+print(subprocess.run([sys.executable, "-c", sys.argv[1], "default"], capture_output=True,
+                     text=True, check=True).stdout)
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_entry_points_keep_freed_heap_for_the_next_step():
-    """start_tensorflow has glibc keep a freed heap top mapped (a step's temporaries are not
-    page-faulted and zeroed again at every step: 1.9x the demo's images/s on 2 cores), and
-    sets it in the environment for the processes it starts; a user's own malloc settings
-    are left alone."""
-    from owt_tf.runtime import startup
+def test_keep_freed_heap_keeps_it_and_passes_it_on():
+    """keep_freed_heap (start_tensorflow's first step) has glibc keep a freed heap top mapped
+    (a step's temporaries are not page-faulted and zeroed again at every step: 1.9x the
+    demo's images/s on 2 cores), the processes it starts inherit it, and a user's own
+    malloc settings are left alone."""
+    script = FREED_HEAP.format(root=ROOT)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
 
-    def held(mode, **env):
-        proc = subprocess.run([sys.executable, "-c", FREED_HEAP.format(root=ROOT), mode],
-                              env={**{k: v for k, v in os.environ.items()
-                                      if not k.startswith("MALLOC_")}, **env},
-                              capture_output=True, text=True, timeout=60)
+    def run_python(*args, env=clean):
+        proc = subprocess.run([sys.executable, "-c", *args], env=env, capture_output=True,
+                              text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
-        return float(proc.stdout)
+        return proc.stdout.strip()
 
-    assert held("default") < 0.2  # glibc's default gives it back
-    assert held("kept") > 0.9
-    assert held("default", MALLOC_TRIM_THRESHOLD_=str(startup.KEPT_HEAP_TOP)) > 0.9  # inherited
-    code = ("import sys; sys.path.insert(0, %r); from owt_tf.runtime.startup import "
-            "keep_freed_heap; print(keep_freed_heap())" % ROOT)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "MALLOC_TRIM_THRESHOLD_": "131072"}, timeout=60)
-    assert proc.stdout.strip() == "False", proc.stderr
+    assert float(run_python(script, "default")) < 0.2  # glibc's default gives it back
+    assert float(run_python(script, "kept")) > 0.9
+    assert float(run_python(PARENT.format(root=ROOT), script)) > 0.9  # the child inherits it
+    asked = ("import sys; sys.path.insert(0, %r); from owt_tf.runtime.startup import "
+             "keep_freed_heap; print(keep_freed_heap())" % ROOT)
+    for users in ({"MALLOC_TRIM_THRESHOLD_": "131072"},
+                  {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}):
+        assert run_python(asked, env={**clean, **users}) == "False", users
+    assert run_python(asked, env={**clean, "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"}) == "True"

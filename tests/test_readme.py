@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import glob
 import json
-import math
 import os
 import re
 import shlex
@@ -93,7 +92,7 @@ def _assert_the_demo_learned(stdout: str, logdir) -> None:
     done = re.search(r"^done: 600 steps .*\| val top-1 error ([0-9.]+)% .* loss ([0-9.]+) \| "
                      r"[0-9]+ img/s \| ([0-9.]+) MB/step/replica", stdout, re.M)
     assert done, stdout[-2000:]
-    assert float(done.group(1)) < 10.0 and math.isfinite(float(done.group(2))), done.group(0)
+    assert float(done.group(1)) < 10.0, done.group(0)  # its loss matched a number: finite
     assert float(done.group(3)) > 0, done.group(0)
     assert (logdir / "checkpoints" / "ckpt-600.index").exists(), os.listdir(logdir / "checkpoints")
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(logdir))

@@ -22,7 +22,7 @@ import tempfile
 _M_TRIM_THRESHOLD, _M_TOP_PAD = -1, -2  # malloc.h
 KEPT_HEAP_TOP = 2**31 - 1  # bytes of free heap top kept mapped (mallopt takes an int)
 HEAP_TOP_PAD = 256 << 20  # bytes asked of the system beyond each heap growth
-_MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+_MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 def keep_freed_heap() -> bool:
@@ -32,6 +32,8 @@ def keep_freed_heap() -> bool:
     preloaded, or when the user set glibc's malloc parameters (environment) themselves. The
     same settings reach processes started from this one through the environment."""
     if not sys.platform.startswith("linux") or any(os.environ.get(k) for k in _MALLOC_ENV):
+        return False
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     if "malloc" in os.environ.get("LD_PRELOAD", ""):  # tcmalloc, jemalloc
         return False
