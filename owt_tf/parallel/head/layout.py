@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from owt_tf.layers import l2_normalize
 from owt_tf.models.head_weights import ArrayWeights, WholeWeights
-from owt_tf.parallel.head.rounds import per_round, rounds_matmul
+from owt_tf.parallel.head.rounds import cosine_rounds_matmul, per_round, rounds_matmul
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel.head import sampling
 from owt_tf.parallel.head.loss import HeadLoss
@@ -247,9 +247,8 @@ class ShardedDense(tf.Module):
         kernel, bias = (tf.cast(v, xs[0].dtype) for v in (kernel, bias))
         transposed = self.class_major
         if self.cosine:
-            kernel = l2_normalize(kernel, axis=1 if transposed else 0)
-            return list(rounds_matmul([l2_normalize(x, axis=-1) for x in xs], kernel, rounds,
-                                       transposed))
+            return cosine_rounds_matmul([l2_normalize(x, axis=-1) for x in xs], kernel, rounds,
+                                        transposed)
         if self.split == ROW:
             width = self.out_dim // self.num_shards
             bias = tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])

@@ -9,6 +9,8 @@ from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
+from owt_tf.layers import NORM_EPSILON
+
 
 def per_round(fn: Callable[[tf.Tensor, int], object], ts: Sequence[tf.Tensor],
                rounds: Optional[Sequence[int]]) -> list:
@@ -59,3 +61,57 @@ def rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
         return ys, grad
 
     return products(kernel, *xs)
+
+
+def cosine_rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
+                         rounds: Optional[Sequence[int]],
+                         transposed: bool = False) -> List[tf.Tensor]:
+    """rounds_matmul of the rows `xs` (already unit rows) by the kernel's classes normalised
+    to unit length (a cosine class layer, owt_tf.layers.NormalizedDense: x̂ @ (W / ||W||)),
+    computed as (x̂ @ W) / ||W||, the norms floored as owt_tf.layers.l2_normalize floors them.
+
+    Why not l2_normalize(kernel) and autodiff: that holds a normalised copy of the kernel,
+    and its backward four more kernel-sized temporaries (a 1M x 512 head: 2 GB each on
+    the shards together), for what is a per-class scale. Here the forward pass makes the
+    [rows, classes] products only, and the backward one kernel-sized tensor, the gradient:
+    x̂ᵀ (dy / ||W||) - W * c, c_j = Σ_rows(dy_j y_j) / ||W_j||², in one XLA fusion that
+    writes the product's buffer in place (`_kernel_gradient`)."""
+    axis = 1 if transposed else 0
+
+    @tf.custom_gradient
+    def products(kernel, *xs):
+        squares = _column_square_sums(kernel, axis)
+        inverse = tf.math.rsqrt(tf.maximum(squares, NORM_EPSILON))
+        ys = per_round(lambda x, i: tf.matmul(x, kernel, transpose_b=transposed) * inverse,
+                       xs, rounds)
+
+        def grad(*dys):
+            dy = tf.concat([tf.zeros_like(y) if d is None else d for y, d in zip(ys, dys)], 0)
+            x, y = tf.concat(xs, 0), tf.concat(ys, 0)
+            scaled = dy * inverse
+            # the norm's part; nothing where the floor holds the norm (l2_normalize's too)
+            c = inverse * inverse * tf.reduce_sum(dy * y, 0)
+            c = tf.where(squares > NORM_EPSILON, c, tf.zeros_like(c))
+            dkernel = _kernel_gradient(x, scaled, kernel, c, transposed)
+            dx = tf.matmul(scaled, kernel, transpose_b=not transposed)
+            return [dkernel] + tf.split(dx, [int(t.shape[0]) for t in xs], axis=0)
+
+        return ys, grad
+
+    return list(products(kernel, *xs))
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _column_square_sums(kernel: tf.Tensor, axis: int) -> tf.Tensor:
+    # XLA: one fused reduction, no kernel-sized square as plain TF makes
+    return tf.reduce_sum(tf.square(kernel), axis=axis)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _kernel_gradient(x: tf.Tensor, scaled: tf.Tensor, kernel: tf.Tensor, c: tf.Tensor,
+                     transposed: bool) -> tf.Tensor:
+    # XLA: the product's buffer is the result's (an elementwise consumer shares it); plain
+    # TF would hold the product, W * c and their difference at once
+    if transposed:
+        return tf.matmul(scaled, x, transpose_a=True) - kernel * c[:, None]
+    return tf.matmul(x, scaled, transpose_a=True) - kernel * c[None, :]
