@@ -1,9 +1,11 @@
 """The sharded head's own math against independent statements of it: FC dropout is applied
 in training (inverted: its mean is the evaluation output), and the class-sharded
-cross-entropy stays exact where a softmax without its max shift overflows."""
+cross-entropy stays exact where a softmax without its max shift overflows; a cosine class
+layer's product and gradient equal the normalised kernel's, with one kernel-sized tensor."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from owt_tf.models.spec import HeadSpec
@@ -12,6 +14,7 @@ from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.head.forward import forward
 from owt_tf.parallel.head.layout import ShardedHead
 from owt_tf.parallel.head.loss import loss_terms
+from owt_tf.parallel.head.rounds import cosine_rounds_matmul
 
 
 def _weights(rng, widths):
@@ -66,3 +69,65 @@ def test_class_sharded_cross_entropy_is_exact_for_large_logits(devices):
     assert np.all(np.isfinite(want))
     for got in hybrid.strategy.experimental_local_results(run()):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-4)
+
+
+def _cosine_reference(xs, kernel, transposed):
+    """The cosines as NormalizedDense states them, by tf.math.l2_normalize (its own
+    autodiff for the gradient): the kernel's classes normalised, then the product."""
+    unit = tf.math.l2_normalize(kernel, axis=1 if transposed else 0)
+    return [tf.matmul(tf.math.l2_normalize(x, axis=-1), unit, transpose_b=transposed) for x in xs]
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["in-by-classes", "class-major"])
+@pytest.mark.parametrize("rounds", [None, [0, 1]], ids=["one round", "two rounds"])
+def test_cosine_product_and_its_gradients_equal_the_normalised_kernel_s(transposed, rounds):
+    """cosine_rounds_matmul's values and gradients (of the kernel and of each round's rows)
+    equal autodiff of l2_normalize(kernel) -- one class centre all zeros, where the norm's
+    floor holds -- under an upstream gradient that weighs every logit differently."""
+    rng = np.random.default_rng(3)
+    kernel = rng.normal(size=(8, 12)).astype(np.float32)
+    kernel[:, 5] = 0.0
+    kernel = tf.constant(kernel.T if transposed else kernel)
+    xs = [tf.constant(rng.normal(size=(4, 8)), tf.float32) for _ in range(1 if rounds is None else 2)]
+    upstream = [tf.constant(rng.normal(size=(4, 12)), tf.float32) for _ in xs]
+
+    def values_and_gradients(product):
+        with tf.GradientTape() as tape:
+            tape.watch([kernel] + xs)
+            ys = product()
+            loss = tf.add_n([tf.reduce_sum(y * g) for y, g in zip(ys, upstream)])
+        return [y.numpy() for y in ys], [g.numpy() for g in tape.gradient(loss, [kernel] + xs)]
+
+    want_ys, want_grads = values_and_gradients(lambda: _cosine_reference(xs, kernel, transposed))
+    got_ys, got_grads = values_and_gradients(lambda: cosine_rounds_matmul(
+        [tf.math.l2_normalize(x, axis=-1) for x in xs], kernel, rounds, transposed))
+    for got, want in zip(got_ys, want_ys):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(got_grads, want_grads):
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_cosine_product_s_backward_makes_one_kernel_sized_tensor():
+    """The traced gradient of a cosine class layer's product computes one tensor of the
+    kernel's size, the gradient itself (a 1M x 512 head: 2 GB; normalising the kernel and
+    differentiating that computed nine: the normalised copy, its square and seven in the
+    backward). Counted over the traced step's ops that compute (not views: reads,
+    identities) and whose result is used; an XLA call counts as its one output."""
+    kernel = tf.Variable(tf.random.normal([16, 300]))
+    x = tf.random.normal([4, 16])
+
+    @tf.function(autograph=False)
+    def step():
+        with tf.GradientTape() as tape:
+            (y,) = cosine_rounds_matmul([tf.math.l2_normalize(x, axis=-1)], kernel.read_value(),
+                                        None)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, kernel)
+
+    graph = step.get_concrete_function().graph
+    views = ("ReadVariableOp", "Identity", "IdentityN")
+    sized = [(op.type, op.name) for op in graph.get_operations() if op.type not in views
+             for out in op.outputs if out.shape.is_fully_defined() and out.consumers()
+             and out.shape.num_elements() == 16 * 300]
+    assert len(sized) == 1, sized

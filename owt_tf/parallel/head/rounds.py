@@ -70,9 +70,9 @@ def cosine_rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
     to unit length (a cosine class layer, owt_tf.layers.NormalizedDense: x̂ @ (W / ||W||)),
     computed as (x̂ @ W) / ||W||, the norms floored as owt_tf.layers.l2_normalize floors them.
 
-    Why not l2_normalize(kernel) and autodiff: that holds a normalised copy of the kernel,
-    and its backward four more kernel-sized temporaries (a 1M x 512 head: 2 GB each on
-    the shards together), for what is a per-class scale. Here the forward pass makes the
+    Why not l2_normalize(kernel) and autodiff: that computes nine kernel-sized tensors (a
+    normalised copy, its square, seven in the backward; a 1M x 512 head: 2 GB each on the
+    shards together), for what is a per-class scale. Here the forward pass makes the
     [rows, classes] products only, and the backward one kernel-sized tensor, the gradient:
     x̂ᵀ (dy / ||W||) - W * c, c_j = Σ_rows(dy_j y_j) / ||W_j||², in one XLA fusion that
     writes the product's buffer in place (`_kernel_gradient`)."""
