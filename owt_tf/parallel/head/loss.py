@@ -229,17 +229,15 @@ def _sharded_cross_entropy(head, logits, labels, k, sample=None):
         local_label = tf.reshape(tf.cast(labels, tf.int32), [-1]) - first
         mine = (local_label >= 0) & (local_label < width)
         column = sampling.label_positions(local_label, sample, width)
-        unmargined = tf.gather(logits, column, batch_dims=1)
-        if margin is not None:
-            logits = margin.logits(cosines, tf.where(mine, column, -1))
-    shifted = tf.where(valid[None, :], logits - global_max[:, None], -np.inf)
-    sums = [tf.reduce_sum(tf.exp(shifted), axis=1)]
-    if loss.sparse:
+    if margin is not None:
+        sums = margin_sums(margin, cosines, tf.where(mine, column, -1), valid, global_max)
+    else:
+        shifted = tf.where(valid[None, :], logits - global_max[:, None], -np.inf)
+        sums = [tf.reduce_sum(tf.exp(shifted), axis=1)]
+    if margin is None and loss.sparse:
         picked = tf.gather(logits, column, batch_dims=1)
         sums.append(tf.where(mine, picked, tf.zeros_like(picked)))
-        if margin is not None:  # the label's own score, for top-1 correctness
-            sums.append(tf.where(mine, unmargined, tf.zeros_like(unmargined)))
-    else:
+    elif not loss.sparse:
         present = tf.where(valid[None, :], logits, 0.0)
         columns = sampling.sampled_label_columns(_label_columns(head, labels, first, width), sample)
         sums.append(tf.reduce_sum(columns * present, 1))
@@ -308,3 +306,76 @@ def top_k_outputs(head, logits_shard: tf.Tensor, k: int, top_k: int) -> TopCandi
                            ledger.LOGITS)
     best = best_of(TopCandidates(values, ids), top_k)
     return TopCandidates(_scores(head, best.scores, global_max, sum_exp), best.ids)
+
+
+def margin_sums(margin, cosines: tf.Tensor, target_column: tf.Tensor, valid: tf.Tensor,
+                shift: tf.Tensor) -> list:
+    """A shard's terms of a margin softmax over its `cosines` [n, columns]: [sum_j exp(z_j -
+    shift), z at the label, s * cos at the label (for top-1 correctness; no gradient)],
+    z = margin.logits(cosines) (its margin at `target_column`, -1 where the row's label is
+    another shard's: both label terms 0 there), columns not `valid` left out.
+
+    Its own gradient: autodiff of the same holds the clamped cosines, the margin logits,
+    their shifted exponentials and masks, each [n, columns], on every shard at once at the
+    all-reduce that follows (a 1M-class head: 0.5 GB each). Here the forward pass keeps
+    nothing of that size (one XLA reduction), and the backward makes one such tensor: each
+    logit's derivative (s inside the clamp, 0 for a filtered class; at the label, the
+    margin's own, by autodiff of margin.target_logit on [n]) times its weight in the
+    softmax and the label term. `margin` is a MarginSoftmax (its `logits` rule)."""
+    scale = float(margin.scale)
+    threshold = float(getattr(margin, "interclass_filtering_threshold", 0.0))
+    mine = target_column >= 0
+    at_label = tf.gather(cosines, tf.maximum(target_column, 0), batch_dims=1)
+    unmargined = tf.where(mine, scale * tf.clip_by_value(at_label, -1.0, 1.0), 0.0)
+
+    @tf.custom_gradient
+    def terms(cos):
+        cos_y = tf.gather(cos, tf.maximum(target_column, 0), batch_dims=1)
+        with tf.GradientTape() as tape:  # the label's logit and its slope: [n] only
+            tape.watch(cos_y)
+            target = tf.cast(margin.target_logit(cos_y), tf.float32)
+        slope = tape.gradient(target, cos_y)
+        exp_sum = _margin_exp_sum(cos, target_column, target, shift, valid, scale, threshold)
+
+        def grad(d_exp_sum, d_label):
+            d_exp_sum = tf.zeros_like(exp_sum) if d_exp_sum is None else d_exp_sum
+            d_label = tf.zeros_like(exp_sum) if d_label is None else d_label
+            return _margin_cosine_gradient(cos, target_column, target, slope, shift, valid,
+                                           d_exp_sum, d_label, scale, threshold)
+
+        return (exp_sum, tf.where(mine, target, 0.0)), grad
+
+    exp_sum, label = terms(cosines)
+    return [exp_sum, label, tf.stop_gradient(unmargined)]
+
+
+def _margin_logits(cos, target_column, target, scale: float, threshold: float):
+    """(z, the label's column, where z's derivative in cos is s) of MarginSoftmax.logits:
+    s * clamped cos, the label's column `target`, a filtered class 0 (InsightFace's
+    inter-class filtering: its derivative 0 too)."""
+    is_target = tf.range(tf.shape(cos)[1])[None, :] == target_column[:, None]
+    clamped = tf.clip_by_value(cos, -1.0, 1.0)
+    passes = (cos >= -1.0) & (cos <= 1.0)  # clip_by_value's gradient mask
+    if threshold > 0:
+        dirty = (clamped > threshold) & ~is_target
+        clamped = tf.where(dirty, tf.zeros_like(clamped), clamped)
+        passes = passes & ~dirty
+    return tf.where(is_target, target[:, None], scale * clamped), is_target, passes
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _margin_exp_sum(cos, target_column, target, shift, valid, scale: float, threshold: float):
+    # XLA: one fused reduction; no [n, columns] tensor is kept for the backward
+    z, _, _ = _margin_logits(cos, target_column, target, scale, threshold)
+    return tf.reduce_sum(tf.where(valid[None, :], tf.exp(z - shift[:, None]), 0.0), axis=1)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _margin_cosine_gradient(cos, target_column, target, slope, shift, valid, d_exp_sum,
+                            d_label, scale: float, threshold: float):
+    # XLA: the exponentials recomputed and the gradient written in one fused pass
+    z, is_target, passes = _margin_logits(cos, target_column, target, scale, threshold)
+    weight = tf.where(valid[None, :], tf.exp(z - shift[:, None]), 0.0) * d_exp_sum[:, None]
+    weight = weight + tf.where(is_target, d_label[:, None], 0.0)
+    derivative = tf.where(is_target, slope[:, None], tf.where(passes, scale, 0.0))
+    return weight * derivative
