@@ -74,8 +74,9 @@ def cosine_rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
     normalised copy, its square, seven in the backward; a 1M x 512 head: 2 GB each on the
     shards together), for what is a per-class scale. Here the forward pass makes the
     [rows, classes] products only, and the backward one kernel-sized tensor, the gradient:
-    x̂ᵀ (dy / ||W||) - W * c, c_j = Σ_rows(dy_j y_j) / ||W_j||², in one XLA fusion that
-    writes the product's buffer in place (`_kernel_gradient`)."""
+    (x̂ᵀ dy) / ||W|| - W * c, c_j = Σ_rows(dy_j y_j) / ||W_j||², in one XLA fusion that
+    writes the product's buffer in place (`_kernel_gradient`); no other [rows, classes]
+    tensor beside dy and y lives while it is made."""
     axis = 1 if transposed else 0
 
     @tf.custom_gradient
@@ -86,14 +87,13 @@ def cosine_rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
                        xs, rounds)
 
         def grad(*dys):
-            dy = tf.concat([tf.zeros_like(y) if d is None else d for y, d in zip(ys, dys)], 0)
-            x, y = tf.concat(xs, 0), tf.concat(ys, 0)
-            scaled = dy * inverse
+            dys = [tf.zeros_like(y) if d is None else d for y, d in zip(ys, dys)]
             # the norm's part; nothing where the floor holds the norm (l2_normalize's too)
-            c = inverse * inverse * tf.reduce_sum(dy * y, 0)
+            c = inverse * inverse * tf.add_n([_column_dots(d, y) for d, y in zip(dys, ys)])
             c = tf.where(squares > NORM_EPSILON, c, tf.zeros_like(c))
-            dkernel = _kernel_gradient(x, scaled, kernel, c, transposed)
-            dx = tf.matmul(scaled, kernel, transpose_b=not transposed)
+            dy = joined_rows(dys)
+            dkernel = _kernel_gradient(joined_rows(xs), dy, inverse, kernel, c, transposed)
+            dx = _rows_gradient(dy, inverse, kernel, transposed)
             return [dkernel] + tf.split(dx, [int(t.shape[0]) for t in xs], axis=0)
 
         return ys, grad
@@ -108,10 +108,23 @@ def _column_square_sums(kernel: tf.Tensor, axis: int) -> tf.Tensor:
 
 
 @tf.function(jit_compile=True, autograph=False)
-def _kernel_gradient(x: tf.Tensor, scaled: tf.Tensor, kernel: tf.Tensor, c: tf.Tensor,
-                     transposed: bool) -> tf.Tensor:
+def _column_dots(dy: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    # XLA: sum over rows of dy * y without the [rows, classes] product
+    return tf.reduce_sum(dy * y, axis=0)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _kernel_gradient(x: tf.Tensor, dy: tf.Tensor, inverse: tf.Tensor, kernel: tf.Tensor,
+                     c: tf.Tensor, transposed: bool) -> tf.Tensor:
     # XLA: the product's buffer is the result's (an elementwise consumer shares it); plain
     # TF would hold the product, W * c and their difference at once
     if transposed:
-        return tf.matmul(scaled, x, transpose_a=True) - kernel * c[:, None]
-    return tf.matmul(x, scaled, transpose_a=True) - kernel * c[None, :]
+        return tf.matmul(dy, x, transpose_a=True) * inverse[:, None] - kernel * c[:, None]
+    return tf.matmul(x, dy, transpose_a=True) * inverse[None, :] - kernel * c[None, :]
+
+
+@tf.function(jit_compile=True, autograph=False)
+def _rows_gradient(dy: tf.Tensor, inverse: tf.Tensor, kernel: tf.Tensor,
+                   transposed: bool) -> tf.Tensor:
+    # XLA: dy / ||W|| lives inside this call only, not beside the kernel's gradient
+    return tf.matmul(dy * inverse, kernel, transpose_b=not transposed)
