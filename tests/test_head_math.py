@@ -13,7 +13,8 @@ from owt_tf.parallel import HybridStrategy
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.head.forward import forward
 from owt_tf.parallel.head.layout import ShardedHead
-from owt_tf.parallel.head.loss import loss_terms
+from owt_tf.losses import ArcFace, CosFace
+from owt_tf.parallel.head.loss import loss_terms, margin_sums
 from owt_tf.parallel.head.rounds import cosine_rounds_matmul
 
 
@@ -130,4 +131,73 @@ def test_cosine_product_s_backward_makes_one_kernel_sized_tensor():
     sized = [(op.type, op.name) for op in graph.get_operations() if op.type not in views
              for out in op.outputs if out.shape.is_fully_defined() and out.consumers()
              and out.shape.num_elements() == 16 * 300]
+    assert len(sized) == 1, sized
+
+
+def _margin_sums_reference(margin, cosines, target_column, valid, shift):
+    """margin_sums stated as the loss states it: margin.logits over the columns, the
+    invalid ones out of the exponential sum, the label's logit gathered (autodiff for the
+    gradient)."""
+    logits = margin.logits(cosines, target_column)
+    shifted = tf.where(valid[None, :], logits - shift[:, None], -np.inf)
+    picked = tf.gather(logits, tf.maximum(target_column, 0), batch_dims=1)
+    return [tf.reduce_sum(tf.exp(shifted), axis=1),
+            tf.where(target_column >= 0, picked, tf.zeros_like(picked))]
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3], ids=["no filter", "inter-class filter 0.3"])
+@pytest.mark.parametrize("make_margin", [ArcFace, CosFace], ids=["ArcFace", "CosFace"])
+def test_margin_sums_and_their_gradient_equal_autodiff_of_the_margin_logits(make_margin,
+                                                                            threshold):
+    """The shard's margin-softmax terms and their gradient in the cosines equal autodiff of
+    margin.logits, with cosines beyond [-1, 1] (clamped: no gradient), a padding column
+    (out of the sum), a row whose label is another shard's (-1: no margin, no label term)
+    and the filter on."""
+    rng = np.random.default_rng(5)
+    margin = make_margin(interclass_filtering_threshold=threshold)
+    cosines = rng.uniform(-0.9, 0.9, size=(5, 9)).astype(np.float32)
+    cosines[0, 2], cosines[1, 4] = 1.2, -1.3
+    cosines = tf.constant(cosines)
+    target_column = tf.constant([3, -1, 0, 8, 5], tf.int32)
+    valid = tf.constant([True] * 7 + [False, True])
+    shift = tf.reduce_max(margin.scale * tf.clip_by_value(cosines, -1.0, 1.0), axis=1)
+    weights = [tf.constant(rng.normal(size=5), tf.float32) for _ in range(2)]
+
+    def terms_and_gradient(terms):
+        with tf.GradientTape() as tape:
+            tape.watch(cosines)
+            out = terms(margin, cosines, target_column, valid, shift)[:2]
+            total = tf.add_n([tf.reduce_sum(t * w) for t, w in zip(out, weights)])
+        return [t.numpy() for t in out], tape.gradient(total, cosines).numpy()
+
+    want, want_grad = terms_and_gradient(_margin_sums_reference)
+    got, got_grad = terms_and_gradient(margin_sums)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-4, atol=1e-5)
+    assert got_grad[0, 2] == 0.0 and got_grad[1, 4] == 0.0 and np.all(got_grad[:, 7] == 0.0)
+
+
+def test_margin_sums_backward_makes_one_logits_sized_tensor():
+    """The shard's margin softmax, forward and backward, computes one [rows, columns]
+    tensor, the cosines' gradient (autodiff of margin.logits: the clamped cosines, the
+    margin logits, their shifted exponentials, masks and their gradients, each the logits'
+    size: 0.5 GB apiece on a 1M-class head)."""
+    margin = ArcFace()
+    cosines = tf.random.uniform([4, 300], -0.9, 0.9)
+
+    @tf.function(autograph=False)
+    def step():
+        with tf.GradientTape() as tape:
+            tape.watch(cosines)
+            exp_sum, label, _ = margin_sums(margin, cosines, tf.constant([3, -1, 0, 299]),
+                                            tf.ones([300], tf.bool), tf.fill([4], 64.0))
+            loss = tf.reduce_sum(tf.math.log(exp_sum) - label)
+        return tape.gradient(loss, cosines)
+
+    graph = step.get_concrete_function().graph
+    views = ("Identity", "IdentityN", "Const", "Placeholder")
+    sized = [(op.type, op.name) for op in graph.get_operations() if op.type not in views
+             for out in op.outputs if out.shape.is_fully_defined() and out.consumers()
+             and out.shape.as_list() == [4, 300] and out.dtype.is_floating]
     assert len(sized) == 1, sized
