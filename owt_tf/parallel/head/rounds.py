@@ -1,6 +1,7 @@
 """Each FC round's product, and the rounds' backward as one: how a shard multiplies the rows
 of several rounds (scheme (b)'s rounds, owt_tf.parallel.schemes) without paying the kernel
-gradient once per round.
+gradient once per round; and a cosine class layer's product, whose gradient holds no
+normalised copy of the kernel (`cosine_rounds_matmul`).
 """
 from __future__ import annotations
 
