@@ -76,8 +76,7 @@ def cosine_rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
     shards together), for what is a per-class scale. Here the forward pass makes the
     [rows, classes] products only, and the backward one kernel-sized tensor, the gradient:
     (x̂ᵀ dy) / ||W|| - W * c, c_j = Σ_rows(dy_j y_j) / ||W_j||², in one XLA fusion that
-    writes the product's buffer in place (`_kernel_gradient`); no other [rows, classes]
-    tensor beside dy and y lives while it is made."""
+    writes the product's buffer in place (`_kernel_gradient`)."""
     axis = 1 if transposed else 0
 
     @tf.custom_gradient
@@ -90,7 +89,7 @@ def cosine_rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
         def grad(*dys):
             dys = [tf.zeros_like(y) if d is None else d for y, d in zip(ys, dys)]
             # the norm's part; nothing where the floor holds the norm (l2_normalize's too)
-            c = inverse * inverse * tf.add_n([_column_dots(d, y) for d, y in zip(dys, ys)])
+            c = inverse * inverse * tf.add_n([tf.reduce_sum(d * y, 0) for d, y in zip(dys, ys)])
             c = tf.where(squares > NORM_EPSILON, c, tf.zeros_like(c))
             dy = joined_rows(dys)
             dkernel = _kernel_gradient(joined_rows(xs), dy, inverse, kernel, c, transposed)
@@ -106,12 +105,6 @@ def cosine_rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
 def _column_square_sums(kernel: tf.Tensor, axis: int) -> tf.Tensor:
     # XLA: one fused reduction, no kernel-sized square as plain TF makes
     return tf.reduce_sum(tf.square(kernel), axis=axis)
-
-
-@tf.function(jit_compile=True, autograph=False)
-def _column_dots(dy: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-    # XLA: sum over rows of dy * y without the [rows, classes] product
-    return tf.reduce_sum(dy * y, axis=0)
 
 
 @tf.function(jit_compile=True, autograph=False)
