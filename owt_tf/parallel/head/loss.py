@@ -335,12 +335,12 @@ def margin_sums(margin, cosines: tf.Tensor, target_column: tf.Tensor, valid: tf.
             tape.watch(cos_y)
             target = tf.cast(margin.target_logit(cos_y), tf.float32)
         slope = tape.gradient(target, cos_y)
-        exp_sum = _margin_exp_sum(cos, target_column, target, shift, valid, scale, threshold)
+        exp_sum = _margin_exp_sum(margin, cos, target_column, shift, valid, threshold)
 
         def grad(d_exp_sum, d_label):
             d_exp_sum = tf.zeros_like(exp_sum) if d_exp_sum is None else d_exp_sum
             d_label = tf.zeros_like(exp_sum) if d_label is None else d_label
-            return _margin_cosine_gradient(cos, target_column, target, slope, shift, valid,
+            return _margin_cosine_gradient(margin, cos, target_column, slope, shift, valid,
                                            d_exp_sum, d_label, scale, threshold)
 
         return (exp_sum, tf.where(mine, target, 0.0)), grad
@@ -349,32 +349,29 @@ def margin_sums(margin, cosines: tf.Tensor, target_column: tf.Tensor, valid: tf.
     return [exp_sum, label, tf.stop_gradient(unmargined)]
 
 
-def _margin_logits(cos, target_column, target, scale: float, threshold: float):
-    """(z, the label's column, where z's derivative in cos is s) of MarginSoftmax.logits:
-    s * clamped cos, the label's column `target`, a filtered class 0 (InsightFace's
-    inter-class filtering: its derivative 0 too)."""
+def _margin_logits(margin, cos, target_column, threshold: float):
+    """(z, the label's column, where z's derivative in cos is s): z is margin.logits
+    itself (the loss's one rule for its value); the derivative's masks are clip_by_value's
+    (s inside [-1, 1]) and InsightFace's inter-class filter (0 for a filtered class)."""
     is_target = tf.range(tf.shape(cos)[1])[None, :] == target_column[:, None]
-    clamped = tf.clip_by_value(cos, -1.0, 1.0)
-    passes = (cos >= -1.0) & (cos <= 1.0)  # clip_by_value's gradient mask
+    passes = (cos >= -1.0) & (cos <= 1.0)
     if threshold > 0:
-        dirty = (clamped > threshold) & ~is_target
-        clamped = tf.where(dirty, tf.zeros_like(clamped), clamped)
-        passes = passes & ~dirty
-    return tf.where(is_target, target[:, None], scale * clamped), is_target, passes
+        passes = passes & ~((tf.clip_by_value(cos, -1.0, 1.0) > threshold) & ~is_target)
+    return tf.cast(margin.logits(cos, target_column), tf.float32), is_target, passes
 
 
 @tf.function(jit_compile=True, autograph=False)
-def _margin_exp_sum(cos, target_column, target, shift, valid, scale: float, threshold: float):
+def _margin_exp_sum(margin, cos, target_column, shift, valid, threshold: float):
     # XLA: one fused reduction; no [n, columns] tensor is kept for the backward
-    z, _, _ = _margin_logits(cos, target_column, target, scale, threshold)
+    z, _, _ = _margin_logits(margin, cos, target_column, threshold)
     return tf.reduce_sum(tf.where(valid[None, :], tf.exp(z - shift[:, None]), 0.0), axis=1)
 
 
 @tf.function(jit_compile=True, autograph=False)
-def _margin_cosine_gradient(cos, target_column, target, slope, shift, valid, d_exp_sum,
+def _margin_cosine_gradient(margin, cos, target_column, slope, shift, valid, d_exp_sum,
                             d_label, scale: float, threshold: float):
     # XLA: the exponentials recomputed and the gradient written in one fused pass
-    z, is_target, passes = _margin_logits(cos, target_column, target, scale, threshold)
+    z, is_target, passes = _margin_logits(margin, cos, target_column, threshold)
     weight = tf.where(valid[None, :], tf.exp(z - shift[:, None]), 0.0) * d_exp_sum[:, None]
     weight = weight + tf.where(is_target, d_label[:, None], 0.0)
     derivative = tf.where(is_target, slope[:, None], tf.where(passes, scale, 0.0))
