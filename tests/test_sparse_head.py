@@ -10,10 +10,12 @@ import h5py
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import owt_tf
 from owt_tf.fit.compiling import CompileError
 from owt_tf.layers import NormalizedDense
+from owt_tf.models import head_weights
 from owt_tf.models.head_weights import ArrayWeights, UndrawableInitializer
 from owt_tf.models.split import UnsupportedModel
 from owt_tf.parallel.head import layout
@@ -99,6 +101,81 @@ def test_unbuilt_models_need_an_input_shape_and_a_drawable_initializer(devices):
         built = keras.Sequential([keras.Input((SIDE, SIDE, 3)), *_unbuilt().layers])
         with pytest.raises(UnsupportedModel, match="input_shape= is for a Sequential"):
             owt_tf.parallelize(built, input_shape=(SIDE, SIDE, 3))
+
+
+# -- built inside the scope ------------------------------------------------------------------
+class _Recorded(keras.initializers.GlorotUniform):
+    """Glorot uniform that records the shapes it draws (not those traced into a graph)."""
+    drawn: list = []
+
+    def __call__(self, shape, dtype=None):
+        if tf.executing_eagerly():
+            _Recorded.drawn.append(tuple(shape))
+        return super().__call__(shape, dtype)
+
+
+keras.saving.register_keras_serializable("test_sparse_head")(_Recorded)
+
+
+def _built(functional: bool, cosine: bool):
+    """_unbuilt()'s model built on a keras.Input: functionally, or as a built Sequential."""
+    head = (NormalizedDense(CLASSES, name="classes", kernel_initializer=_Recorded()) if cosine
+            else keras.layers.Dense(CLASSES, name="classes", kernel_initializer=_Recorded()))
+    trunk = [keras.layers.Conv2D(FEATURES, 3, name="conv"),
+             keras.layers.GlobalAveragePooling2D(name="pool")]
+    if not functional:
+        return keras.Sequential([keras.Input((SIDE, SIDE, 3)), *trunk, head], name="built")
+    inputs = keras.Input((SIDE, SIDE, 3))
+    return keras.Model(inputs, head(trunk[1](trunk[0](inputs))), name="built")
+
+
+@pytest.mark.parametrize("functional,cosine", [(True, False), (False, True)])
+def test_a_head_built_in_the_scope_is_drawn_only_shard_by_shard(monkeypatch, devices,
+                                                                functional, cosine):
+    """A class layer built inside strategy.scope() (a keras.Input model, functional or a
+    built Sequential) with a kernel over the size limit gets no value there; parallelize
+    draws its shards exactly as for a model never built (the same seed: the same head, so
+    the whole layer's distribution), keeps the user's trunk, and neither it, its config
+    check nor its clone draws the whole kernel, then or when the scope closes."""
+    monkeypatch.setattr(head_weights, "UNDRAWN_KERNEL_BYTES", FEATURES * CLASSES * 4)
+    _Recorded.drawn = []
+    strategy = owt_tf.HybridStrategy(devices=devices[:4], scheme="owt-b")
+    with strategy.scope():
+        model = _built(functional, cosine)
+        kernel = model.get_layer("classes").kernel
+        assert head_weights.is_undrawn(kernel)
+        trunk = [w.numpy() for w in model.get_layer("conv").weights]
+        parallel = owt_tf.parallelize(model, seed=7)
+    assert _Recorded.drawn == []
+    assert not bool(kernel.value.is_initialized())  # not drawn when the scope closed
+    never_built = _parallel(_unbuilt(cosine=cosine), devices, 4, seed=7)
+    for (k1, b1), (k2, b2) in zip(parallel.fc_weights(), never_built.fc_weights()):
+        np.testing.assert_array_equal(k1, k2)
+        np.testing.assert_array_equal(b1, b2)
+    for mine, theirs in zip(parallel.get_layer("conv").get_weights(), trunk):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_kernels_built_in_the_scope_given_values_or_not_parallelized(monkeypatch, devices):
+    """Values given to an undrawn kernel in the scope (set_weights, load_weights) are the
+    head parallelize shards; a model no parallelize took is drawn whole when the outermost
+    scope closes (not an inner one), with its initializer's distribution."""
+    monkeypatch.setattr(head_weights, "UNDRAWN_KERNEL_BYTES", FEATURES * CLASSES * 4)
+    strategy = owt_tf.HybridStrategy(devices=devices[:2], scheme="owt-b")
+    mine = np.random.default_rng(0).normal(size=(FEATURES, CLASSES)).astype(np.float32)
+    with strategy.scope():
+        loaded = _built(functional=True, cosine=False)
+        loaded.get_layer("classes").kernel.assign(mine)
+        parallel = owt_tf.parallelize(loaded, seed=0)
+        kept = _built(functional=True, cosine=False)
+        with strategy.scope():
+            pass
+        assert head_weights.is_undrawn(kept.get_layer("classes").kernel)
+    np.testing.assert_array_equal(parallel.fc_weights()[-1][0], mine)
+    kernel = kept.get_layer("classes").kernel.numpy()
+    whole = np.sqrt(6.0 / (FEATURES + CLASSES))
+    assert np.abs(kernel).max() <= whole and kernel.std() == pytest.approx(whole / np.sqrt(3),
+                                                                           rel=0.02)
 
 
 @pytest.mark.parametrize("class_major", [False, True])

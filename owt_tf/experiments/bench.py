@@ -79,12 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="examples per replica (device) per step (B)")
     p.add_argument("--image-size", type=int, default=None, help="input side (none: the model's)")
     p.add_argument("--classes", type=int, default=1000, help="classes of the last FC layer")
-    p.add_argument("--fc-batch", default="global", choices=("global", "worker"),
-                   help="as train's --fc-batch (owt-b, owt-c)")
-    p.add_argument("--fc-exchange", default="gather", choices=("gather", "colrow"),
-                   help="as train's --fc-exchange")
-    p.add_argument("--loss", default="gathered", choices=("gathered", "sharded"),
-                   help="as train's --loss")
+    p.add_argument("--fc-batch", default="global", choices=("global", "worker"), help="as train's")
+    p.add_argument("--fc-exchange", default="gather", choices=("gather", "colrow"), help="as train's")
+    p.add_argument("--loss", default="gathered", choices=("gathered", "sharded"), help="as train's")
     p.add_argument("--jit", default="off", choices=("off", "on", "both"),
                    help="XLA-compile the trunk: off, on, or both side by side")
     p.add_argument("--precision", default="fp32",
@@ -116,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "class counts, one table of classes x sample rate (default: --classes)")
     p.add_argument("--features", type=int, default=256, help="with --big-head: the head's "
                    "input width (a face model's embedding: 128 or 512)")
+    p.add_argument("--head-build", default="scope", choices=("scope", "unbuilt"), help="with "
+                   "--big-head --baseline none: owt_tf's model built on a keras.Input inside "
+                   "strategy.scope(), or a Sequential never built given input_shape=")
     p.add_argument("--keras-step", action="store_true",
                    help="one model's step three ways, each in a fresh process: the CLI's, "
                         "owt_tf.parallelize(model).fit and MirroredStrategy fit, and its "
@@ -439,7 +439,7 @@ def _big_head_main(parser, args) -> int:
     for classes in sizes:
         records += big_head.run_big_head(big_head.BigHeadArgs(
             classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners, rates,
-            args.head, args.features, args.save_weights))
+            args.head, args.features, args.save_weights, args.head_build))
     print(big_head.format_big_head_table(records))
     if args.out:
         big_head.write_json(args.out, records)

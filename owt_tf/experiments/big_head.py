@@ -70,6 +70,7 @@ class BigHeadRecord:
 
 
 HEADS = ("softmax", "arcface")
+BUILDS = ("scope", "unbuilt", "outside")  # how owt_tf's model is built: _train_owt
 
 
 def build_big_head_model(classes: int, features: int = FEATURES, side: int = IMAGE_SIDE,
@@ -153,21 +154,26 @@ def _fit_and_time(model, classes: int, global_batch: int, warmup: int, steps: in
 
 def _train_owt(classes: int, devices: Sequence[str], global_batch: int, warmup: int,
                steps: int, scheme: str, sample_rate: float = 1.0, head: str = "softmax",
-               features: int = FEATURES, unbuilt: bool = False,
+               features: int = FEATURES, build: str = "scope",
                save_weights: bool = False) -> Dict:
     """`owt_tf.parallelize(model).fit`; the step's collectives counted while it is traced.
-    `unbuilt`: the model is never built whole, its head drawn shard by shard (else the
-    user's built model, MirroredStrategy's weights, split and then dropped)."""
+    `build`: "scope", the model built on a keras.Input inside strategy.scope() (its head
+    never drawn whole: drawn shard by shard); "unbuilt", a Sequential never built, given
+    with input_shape= (the same); "outside", built before the strategy, whole (the weights
+    MirroredStrategy's run starts from), split and then dropped."""
     import gc
 
     import owt_tf
     from owt_tf.planner import ledger
 
-    plain = build_big_head_model(classes, features, head=head, built=not unbuilt)
+    plain = (None if build == "scope" else
+             build_big_head_model(classes, features, head=head, built=build == "outside"))
     strategy = owt_tf.HybridStrategy(devices=list(devices), scheme=scheme,
                                      sample_rate=sample_rate)
     with strategy.scope():
-        shape = dict(input_shape=(IMAGE_SIDE, IMAGE_SIDE, 3)) if unbuilt else {}
+        if build == "scope":
+            plain = build_big_head_model(classes, features, head=head)
+        shape = dict(input_shape=(IMAGE_SIDE, IMAGE_SIDE, 3)) if build == "unbuilt" else {}
         model = owt_tf.parallelize(plain, seed=0, **shape)
         _compile(model, head)
     del plain  # the user's one-device copy is no longer needed once split
@@ -229,7 +235,7 @@ def _all_reduce_bytes(variables, k: int) -> float:
 def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int, steps: int,
               scheme: str = "owt-b", sample_rate: float = 1.0,
               head: str = "softmax", features: int = FEATURES,
-              unbuilt: bool = False, save_weights: bool = False) -> BigHeadRecord:
+              build: str = "scope", save_weights: bool = False) -> BigHeadRecord:
     """One runner's training, in this (fresh) process."""
     import tensorflow as tf
 
@@ -240,7 +246,7 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
     baseline = _proc_status_bytes("VmRSS")
     if runner == "owt_tf":
         out = _train_owt(classes, devices, global_batch, warmup, steps, scheme, sample_rate, head,
-                         features, unbuilt, save_weights)
+                         features, build, save_weights)
     else:
         out = _train_mirrored(classes, devices, global_batch, warmup, steps, head, features)
     timer = out.pop("timer")
@@ -255,9 +261,9 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
 
 
 def _child_command(runner: str, args, out: str, sample_rate: float = 1.0) -> List[str]:
-    # Without the MirroredStrategy run to match, owt_tf's model is never built whole (a head
+    # Without the MirroredStrategy run to match, owt_tf's head is never drawn whole (a head
     # one device cannot hold); with it, both start from the same built model's weights.
-    extra = ["--unbuilt"] if "mirrored" not in args.runners else []
+    extra = ["--build", args.build if "mirrored" not in args.runners else "outside"]
     extra += ["--save-weights"] if runner == "owt_tf" and args.save_weights else []
     return [sys.executable, "-m", "owt_tf.experiments.big_head", "--child", runner,
             "--classes", str(args.classes), "--devices", str(args.k),
@@ -379,6 +385,7 @@ class BigHeadArgs:
     head: str = "softmax"
     features: int = FEATURES  # the head's input width
     save_weights: bool = False  # owt_tf: save_weights + load_weights after training
+    build: str = "scope"  # owt_tf without the mirrored runner: "scope" or "unbuilt" (BUILDS)
 
 
 def run_big_head(args: BigHeadArgs) -> List[BigHeadRecord]:
@@ -415,15 +422,15 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--features", type=int, default=FEATURES)
     p.add_argument("--save-weights", action="store_true",
                    help="owt_tf: save_weights and load_weights after training (peak RSS of each)")
-    p.add_argument("--unbuilt", action="store_true",
-                   help="owt_tf: the model never built, its head drawn shard by shard")
+    p.add_argument("--build", default="scope", choices=BUILDS,
+                   help="owt_tf: how the model is built (_train_owt)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from owt_tf.runtime.startup import start_tensorflow
 
     start_tensorflow()
     record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,
-                       a.scheme, a.sample_rate, a.head, a.features, a.unbuilt, a.save_weights)
+                       a.scheme, a.sample_rate, a.head, a.features, a.build, a.save_weights)
     with open(a.out, "w") as f:
         json.dump(dataclasses.asdict(record), f)
     return 0

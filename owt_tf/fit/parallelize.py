@@ -14,6 +14,7 @@ import numpy as np
 from owt_tf.runtime.devices import outside_strategy_scope
 from owt_tf.fit import files as keras_files
 from owt_tf.fit.model import ParallelModel
+from owt_tf.models.head_weights import claim, drawing_every_kernel, undrawn_large_kernels
 from owt_tf.models.split import (KerasSplit, UnsupportedModel, is_unbuilt_sequential,
                                  split_keras_model, split_unbuilt_sequential)
 from owt_tf.parallel.strategy import HybridStrategy, current_strategy
@@ -27,10 +28,13 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
     sharded. The user's weights are kept. `strategy`: default, the HybridStrategy whose
     `scope()` is open. `seed` seeds the head's dropout (default: drawn at random).
 
-    A head too large for one device: give a `keras.Sequential` that was never built (no
-    `keras.Input`) and `input_shape` (one example's shape): its trunk is built here and each
-    FC shard is drawn where it lives from the Dense layer's initializers, with the
-    distribution the whole layer would get (seeded by `seed`); the head never exists whole."""
+    A head too large for one device: build the model inside `strategy.scope()` (a Dense
+    kernel of 64 MB or more made there gets no value), or give a `keras.Sequential` that
+    was never built (no `keras.Input`) and `input_shape` (one example's shape). Each FC
+    shard is then drawn where it lives from the Dense layer's initializers, with the
+    distribution the whole layer would get (seeded by `seed`); the head never exists whole,
+    and the model given keeps its class kernel without a value (train, save and export the
+    ParallelModel)."""
     hybrid = strategy or current_strategy()
     if hybrid is None:
         raise ValueError("owt_tf.parallelize needs a HybridStrategy: call it inside "
@@ -57,7 +61,8 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
         split = outside_strategy_scope(lambda: split_unbuilt_sequential(
             model, tuple(input_shape), seed, allow_float16=True))
     else:
-        split = outside_strategy_scope(lambda: split_keras_model(model, allow_float16=True))
+        split = outside_strategy_scope(lambda: split_keras_model(model, allow_float16=True,
+                                                                 seed=seed))
     if hybrid.scheme == AUTO:
         _choose_scheme(hybrid, split, model.name)
     if not hybrid.model_parallel:
@@ -68,11 +73,13 @@ def parallelize(model: keras.Model, strategy: Optional[HybridStrategy] = None,
                                           split.dense_names[:-1])
     except PlanError as err:
         raise UnsupportedModel(err.message) from None
-    with hybrid.scope():
+    with hybrid.scope(), drawing_every_kernel():  # the trunk's variables: mirrored, drawn
         parallel = ParallelModel(hybrid, split, source, seed)
         if keras_files.is_resumable(model):  # a loaded .keras file: its run goes on
             keras_files.read_state(parallel, model)
-        return parallel
+    for variable in model.weights:  # its head's shards were drawn: the whole never is
+        claim(variable)
+    return parallel
 
 
 def _rebuildable_source(model: keras.Model, input_shape: Optional[Sequence[int]] = None) -> dict:
@@ -81,9 +88,13 @@ def _rebuildable_source(model: keras.Model, input_shape: Optional[Sequence[int]]
     never built gets `input_shape` as its build shape after the check, so that what saves
     and exports rebuild is built (the check itself builds nothing)."""
     source = keras.saving.serialize_keras_object(model)
+
+    def rebuild():
+        with undrawn_large_kernels():  # a rebuilt head of GBs, thrown away: never drawn
+            keras.saving.deserialize_keras_object(json.loads(json.dumps(source)))
+
     try:
-        outside_strategy_scope(
-            lambda: keras.saving.deserialize_keras_object(json.loads(json.dumps(source))))
+        outside_strategy_scope(rebuild)
     except Exception as err:  # noqa: BLE001 -- any failure means save/export would fail
         raise UnsupportedModel(f"model {model.name}: cannot be rebuilt from its config, so it "
                                f"could not be saved ({type(err).__name__}: "

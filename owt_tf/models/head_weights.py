@@ -9,13 +9,26 @@ same variance and bound on its smaller shape; initializers that do not look at t
 (zeros, constants, plain random normal/uniform) draw the part as it is. Each part has its
 own seed (a seeded initializer would repeat the same numbers in every part). Anything else
 (Orthogonal, Identity, a custom class) is refused in one line: it cannot be drawn in parts.
+
+`undrawn_large_kernels()` is the way a model built whole (keras.Input, a built Sequential,
+a layer's `build`) gets there: while it is open, a Dense-like kernel of at least
+UNDRAWN_KERNEL_BYTES is made as a variable with no value, its initializer kept, so that
+owt_tf.parallelize draws its shards instead (HybridStrategy.scope() opens it while a user
+builds). A kernel nobody claims is drawn whole when the scope closes (`draw_whole`).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+import threading
+import weakref
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import keras
 import numpy as np
+import tensorflow as tf
+# No public way to make a tf.Variable without a value (tf.Variable always runs its initial
+# value); this one has a handle, a shape and a dtype, and its first assign gives it a value.
+from tensorflow.python.ops.resource_variable_ops import UninitializedVariable
 
 class WholeWeights:
     """A whole FC layer's (kernel [in, out], bias [out]) -- weights or optimizer slots --
@@ -137,3 +150,95 @@ class InitializerWeights(WholeWeights):
             return np.zeros((stop - start,), self.dtype)
         return draw_part(self._bias_init, (self.shape[1],), (stop - start,),
                          self._part_seed(2, start), self.dtype.name)
+
+
+# Dense kernels of at least this many bytes are left undrawn while undrawn_large_kernels() is
+# open: one such kernel, drawn whole and then split, costs a second copy of the head.
+UNDRAWN_KERNEL_BYTES = 64 << 20
+_INITIAL_VALUE = "_owt_tf_initial_value"  # an undrawn kernel's own initializer, kept on it
+_PAUSED = threading.local()
+
+
+def _traced_shape(initial_value: Callable) -> Optional[tf.TensorShape]:
+    """The shape `initial_value()` would have, from tracing it into a throwaway graph (no
+    numbers drawn); None when it cannot be traced there."""
+    try:
+        with tf.Graph().as_default():
+            return tf.convert_to_tensor(initial_value()).shape
+    except Exception:  # noqa: BLE001 -- an initializer that needs eager state: drawn as usual
+        return None
+
+
+def _large_dense_kernel(kwargs: dict) -> Optional[tf.TensorShape]:
+    """The shape of the variable about to be made, when it is a Dense-like kernel (Keras'
+    `add_weight(name="kernel")`, rank 2) of at least UNDRAWN_KERNEL_BYTES; else None."""
+    initial_value = kwargs.get("initial_value")
+    if not callable(initial_value) or kwargs.get("name") != "kernel":
+        return None
+    shape = _traced_shape(initial_value)
+    if shape is None or shape.rank != 2 or not shape.is_fully_defined():
+        return None
+    nbytes = shape.num_elements() * tf.as_dtype(kwargs.get("dtype") or tf.float32).size
+    return shape if nbytes >= UNDRAWN_KERNEL_BYTES else None
+
+
+@contextlib.contextmanager
+def undrawn_large_kernels() -> Iterator[List[weakref.ref]]:
+    """Large Dense-like kernels made in this thread meanwhile have no value yet (see the
+    module's docstring); yields the list of (weak references to) those made, filled as they
+    are. Other variables are made as usual, by the creators outside."""
+    made: List[weakref.ref] = []
+
+    def creator(next_creator, **kwargs):
+        shape = None if getattr(_PAUSED, "depth", 0) else _large_dense_kernel(kwargs)
+        if shape is None:
+            return next_creator(**kwargs)
+        variable = UninitializedVariable(shape=shape, dtype=kwargs.get("dtype") or tf.float32,
+                                         name=kwargs["name"],
+                                         trainable=kwargs.get("trainable", True))
+        setattr(variable, _INITIAL_VALUE, kwargs["initial_value"])
+        made.append(weakref.ref(variable))
+        return variable
+
+    with tf.variable_creator_scope(creator):
+        yield made
+
+
+@contextlib.contextmanager
+def drawing_every_kernel() -> Iterator[None]:
+    """Within undrawn_large_kernels(), variables made meanwhile are made as usual (owt_tf's
+    own: the parallel model's mirrored trunk)."""
+    _PAUSED.depth = getattr(_PAUSED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _PAUSED.depth -= 1
+
+
+def _tf_variable(variable):
+    """The tf.Variable behind a Keras variable (or the tf.Variable itself)."""
+    return getattr(variable, "value", variable) if isinstance(variable, keras.Variable) \
+        else variable
+
+
+def is_undrawn(variable) -> bool:
+    """A kernel made by undrawn_large_kernels() that has no value yet (a Keras variable or
+    its tf.Variable). One given a value since (`assign`, `load_weights`) is drawn."""
+    variable = _tf_variable(variable)
+    return (getattr(variable, _INITIAL_VALUE, None) is not None
+            and not bool(variable.is_initialized()))
+
+
+def draw_whole(variable) -> None:
+    """An undrawn kernel given its value, drawn whole by its own initializer."""
+    variable = _tf_variable(variable)
+    if is_undrawn(variable):
+        variable.assign(getattr(variable, _INITIAL_VALUE)())
+
+
+def claim(variable) -> None:
+    """An undrawn kernel that stays without a value (its shards were drawn instead): nothing
+    draws it whole later; reading it is TensorFlow's error for an uninitialized variable."""
+    variable = _tf_variable(variable)
+    if getattr(variable, _INITIAL_VALUE, None) is not None:
+        setattr(variable, _INITIAL_VALUE, None)

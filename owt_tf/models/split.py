@@ -20,7 +20,9 @@ import keras
 import numpy as np
 
 from owt_tf.layers import NormalizedDense
-from owt_tf.models.head_weights import InitializerWeights, WholeWeights
+from owt_tf.models.head_weights import (InitializerWeights, UndrawableInitializer,
+                                        WholeWeights, draw_whole, is_undrawn,
+                                        undrawn_large_kernels)
 from owt_tf.models.spec import OUTPUT_ACTIVATIONS, HeadSpec
 
 
@@ -243,9 +245,12 @@ def _check_no_float16(model: keras.Model) -> None:
                 "Keras' fit, or use mixed_bfloat16)")
 
 
-def split_keras_model(model: keras.Model, allow_float16: bool = False) -> KerasSplit:
+def split_keras_model(model: keras.Model, allow_float16: bool = False,
+                      seed: int = 0) -> KerasSplit:
     """The trunk (a functional model over the original layers) and the head of `model`.
-    `allow_float16`: the caller applies a loss scale (Keras' LossScaleOptimizer)."""
+    `allow_float16`: the caller applies a loss scale (Keras' LossScaleOptimizer). A head
+    kernel built without a value (head_weights.undrawn_large_kernels) is drawn shard by shard
+    from its layer's initializers, seeded by `seed`; the clone made here holds none."""
     if not isinstance(model, keras.Model):
         raise UnsupportedModel(f"expected a keras.Model, got {type(model).__name__}")
     try:
@@ -261,8 +266,9 @@ def split_keras_model(model: keras.Model, allow_float16: bool = False) -> KerasS
     # A fresh graph: a loaded (or reused) model's layers can have several call sites, and
     # `layer.output` then names only one of them.
     original = model
-    model = keras.models.clone_model(original)
-    model.set_weights(original.get_weights())
+    with undrawn_large_kernels():
+        model = keras.models.clone_model(original)
+    _copy_drawn_weights(original, model)
     inputs = model.inputs
     chain, features = _head_chain(model)
     _check_head_starts_at_first_dense(model, chain, features)
@@ -272,10 +278,33 @@ def split_keras_model(model: keras.Model, allow_float16: bool = False) -> KerasS
         _check_no_float16(model)
     spec, names = _head_spec(chain)
     dense = [layer for layer in chain if isinstance(layer, _FC_TYPES)]
-    weights = [(np.asarray(d.kernel.numpy()), _bias_of(d)) for d in dense]
+    widths = [int(features.shape[-1])] + [int(d.units) for d in dense]
+    weights = [_head_layer_weights(d, widths[i], seed + i) for i, d in enumerate(dense)]
     trunk = keras.Model(inputs[0], features, name=f"{model.name}_trunk")
+    for variable in trunk.weights:  # an undrawn trunk kernel: the trunk is copied whole
+        draw_whole(variable)
     return KerasSplit(trunk, spec, weights, names, tuple(inputs[0].shape[1:]),
                       dense[0].dtype_policy.compute_dtype)
+
+
+def _copy_drawn_weights(original: keras.Model, clone: keras.Model) -> None:
+    """The original's weights into its clone (Keras' set_weights, one variable at a time:
+    no second copy of a large head in memory), but for undrawn kernels: the clone's stay
+    undrawn too."""
+    for mine, theirs in zip(clone.weights, original.weights):
+        if not is_undrawn(theirs):
+            mine.assign(theirs)
+
+
+def _head_layer_weights(layer, in_dim: int, seed: int):
+    """A head layer's (kernel, bias) as arrays; an undrawn kernel as what draws it shard by
+    shard (one whose initializer cannot be drawn in parts is drawn whole here)."""
+    if is_undrawn(layer.kernel):
+        try:
+            return InitializerWeights(layer, in_dim, seed)
+        except UndrawableInitializer:
+            draw_whole(layer.kernel)
+    return np.asarray(layer.kernel.numpy()), _bias_of(layer)
 
 
 def split_unbuilt_sequential(model: keras.Sequential, input_shape: Tuple[int, ...],

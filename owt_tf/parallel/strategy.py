@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from owt_tf.runtime.cluster import Cluster, resolve_cluster
 from owt_tf.models.cost import NetworkCost
+from owt_tf.models.head_weights import draw_whole, undrawn_large_kernels
 from owt_tf.planner.auto import AutoChoice, resolve_auto
 from owt_tf.planner.cost_model import OWT_SCHEMES
 from owt_tf.parallel.placement import DistributedModel, Placement  # noqa: F401 (public)
@@ -29,6 +30,15 @@ from owt_tf.planner.plan import (AUTO, ParallelPlan, PlanError, StepRounds,
                                   check_auto_processes)
 
 _ACTIVE: List["HybridStrategy"] = []  # entered HybridStrategy scopes, innermost last
+
+
+@contextlib.contextmanager
+def _undrawn_if(outermost: bool) -> Iterator[list]:
+    if not outermost:
+        yield []
+        return
+    with undrawn_large_kernels() as made:
+        yield made
 
 
 def current_strategy() -> Optional["HybridStrategy"]:
@@ -142,13 +152,20 @@ class HybridStrategy:
     @contextlib.contextmanager
     def scope(self) -> Iterator["HybridStrategy"]:
         """The wrapped strategy's scope (variables created in it are mirrored: the trunk),
-        and the strategy `owt_tf.parallelize` uses when none is passed."""
+        and the strategy `owt_tf.parallelize` uses when none is passed. A Dense kernel of
+        64 MB or more built in it (owt_tf.models.head_weights.undrawn_large_kernels) gets
+        no value until `owt_tf.parallelize` draws its shards where they live; one that no
+        parallelize took is drawn whole when the outermost scope closes."""
+        outermost = not _ACTIVE
         _ACTIVE.append(self)
         try:
-            with self.placement.strategy.scope():
+            with self.placement.strategy.scope(), _undrawn_if(outermost) as made:
                 yield self
         finally:
             _ACTIVE.pop()
+        for ref in made:
+            if ref() is not None:
+                draw_whole(ref())
 
     @property
     def strategy(self) -> tf.distribute.Strategy:
