@@ -82,8 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fc-batch", default="global", choices=("global", "worker"), help="as train's")
     p.add_argument("--fc-exchange", default="gather", choices=("gather", "colrow"), help="as train's")
     p.add_argument("--loss", default="gathered", choices=("gathered", "sharded"), help="as train's")
-    p.add_argument("--jit", default="off", choices=("off", "on", "both"),
-                   help="XLA-compile the trunk: off, on, or both side by side")
+    p.add_argument("--jit", default="off", choices=("off", "on", "both"), help="XLA-compile the trunk")
     p.add_argument("--precision", default="fp32",
                    help="comma-separated compute precisions to run each configuration in: fp32, "
                         "bf16, fp16 (e.g. fp32,bf16)")
@@ -91,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
     p.add_argument("--count-only", action="store_true", help="trace only: report bytes, no timing")
     p.add_argument("--out", default=None, help="write the records as JSON here")
-    p.add_argument("--input", default=None, metavar="DATASET",
-                   help="time the input pipeline of folder:PATH or tfds:NAME instead of steps")
+    p.add_argument("--input", default=None, metavar="DATASET", help="time the input pipeline of folder:PATH or tfds:NAME")
     p.add_argument("--data-dir", default=None, help="TFDS data directory (with --input tfds:NAME)")
     p.add_argument("--big-head", action="store_true",
                    help="a conv trunk + Dense(--classes) head through Keras fit: owt_tf against "
@@ -423,9 +421,11 @@ def _big_head_main(parser, args) -> int:
     from owt_tf.experiments import big_head
 
     owt = [s for s in args.schemes if Scheme(s).model_parallel]
-    if len(args.devices) != 1 or len(owt) != 1 or len(args.schemes) != 1:
-        print(f"{parser.prog}: error: --big-head measures one K (--devices) and one "
-              "model-parallel scheme (--schemes owt-a|owt-b|owt-c)", file=sys.stderr)
+    if len(args.devices) != 1 or len(owt) != 1 or len(args.schemes) != 1 or \
+            args.precision[0] not in big_head.PRECISIONS or len(args.precision) != 1:
+        print(f"{parser.prog}: error: --big-head measures one K (--devices), one precision "
+              "(fp32|bf16) and one model-parallel scheme (--schemes owt-a|owt-b|owt-c)",
+              file=sys.stderr)
         return 2
     rates = [_number_or_text(r) for r in _parse_list(args.sample_rates)] or [1.0]
     problem = next(filter(None, map(sample_rate_problem, rates)), None)
@@ -439,7 +439,7 @@ def _big_head_main(parser, args) -> int:
     for classes in sizes:
         records += big_head.run_big_head(big_head.BigHeadArgs(
             classes, k, args.batch_size * k, args.warmup, args.steps, owt[0], runners, rates,
-            args.head, args.features, args.save_weights, args.head_build))
+            args.head, args.features, args.save_weights, args.head_build, args.precision[0]))
     print(big_head.format_big_head_table(records))
     if args.out:
         big_head.write_json(args.out, records)

@@ -63,6 +63,7 @@ class BigHeadRecord:
     # load_weights of that file (None: not run)
     save_peak_rss_bytes: Optional[int] = None
     load_peak_rss_bytes: Optional[int] = None
+    precision: str = "fp32"  # the Keras policy both runners build in: fp32 or bf16 (PRECISIONS)
 
     @property
     def peak_growth_bytes(self) -> int:
@@ -71,6 +72,7 @@ class BigHeadRecord:
 
 HEADS = ("softmax", "arcface")
 BUILDS = ("scope", "unbuilt", "outside")  # how owt_tf's model is built: _train_owt
+PRECISIONS = {"fp32": "float32", "bf16": "mixed_bfloat16"}  # the Keras dtype policies
 
 
 def build_big_head_model(classes: int, features: int = FEATURES, side: int = IMAGE_SIDE,
@@ -263,7 +265,8 @@ def run_child(runner: str, classes: int, k: int, global_batch: int, warmup: int,
 def _child_command(runner: str, args, out: str, sample_rate: float = 1.0) -> List[str]:
     # Without the MirroredStrategy run to match, owt_tf's head is never drawn whole (a head
     # one device cannot hold); with it, both start from the same built model's weights.
-    extra = ["--build", args.build if "mirrored" not in args.runners else "outside"]
+    extra = ["--build", args.build if "mirrored" not in args.runners else "outside",
+             "--precision", args.precision]
     extra += ["--save-weights"] if runner == "owt_tf" and args.save_weights else []
     return [sys.executable, "-m", "owt_tf.experiments.big_head", "--child", runner,
             "--classes", str(args.classes), "--devices", str(args.k),
@@ -325,7 +328,8 @@ def format_big_head_table(records: Sequence[BigHeadRecord]) -> str:
     for r in records:
         lines.append(f"{r.runner:9} {r.classes:>9} {r.devices:>2} {r.global_batch:>5} "
                      f"{r.step_time_s * 1e3:9.1f} {r.peak_rss_bytes / 1e6:8.0f} "
-                     f"{r.peak_growth_bytes / 1e6:9.0f} {r.bytes_per_step / 1e6:9.1f}  {r.how}")
+                     f"{r.peak_growth_bytes / 1e6:9.0f} {r.bytes_per_step / 1e6:9.1f}  {r.how}"
+                     + (f", {r.precision}" if r.precision != "fp32" else ""))
     for r in records:
         if r.save_peak_rss_bytes is not None:
             lines.append(f"{r.classes} classes, owt_tf r={r.sample_rate:g}: peak RSS "
@@ -386,6 +390,7 @@ class BigHeadArgs:
     features: int = FEATURES  # the head's input width
     save_weights: bool = False  # owt_tf: save_weights + load_weights after training
     build: str = "scope"  # owt_tf without the mirrored runner: "scope" or "unbuilt" (BUILDS)
+    precision: str = "fp32"  # a key of PRECISIONS
 
 
 def run_big_head(args: BigHeadArgs) -> List[BigHeadRecord]:
@@ -424,15 +429,19 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
                    help="owt_tf: save_weights and load_weights after training (peak RSS of each)")
     p.add_argument("--build", default="scope", choices=BUILDS,
                    help="owt_tf: how the model is built (_train_owt)")
+    p.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS))
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     from owt_tf.runtime.startup import start_tensorflow
 
     start_tensorflow()
+    import keras
+
+    keras.mixed_precision.set_global_policy(PRECISIONS[a.precision])  # before any model
     record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,
                        a.scheme, a.sample_rate, a.head, a.features, a.build, a.save_weights)
     with open(a.out, "w") as f:
-        json.dump(dataclasses.asdict(record), f)
+        json.dump(dict(dataclasses.asdict(record), precision=a.precision), f)
     return 0
 
 
