@@ -14,7 +14,6 @@ import tensorflow as tf
 from owt_tf.parallel import collectives as coll
 from owt_tf.parallel.head.exchange import exchange, gather
 from owt_tf.parallel.head.layout import COL, ROW, SampledRows, ShardedHead
-from owt_tf.parallel.head.rounds import joined_rows
 
 
 def forward(head: ShardedHead, x: tf.Tensor, k: Optional[int], training: bool, seed: Optional[tf.Tensor]) -> tf.Tensor:
@@ -63,10 +62,8 @@ def _product(layer, xs: Sequence[tf.Tensor], k: Optional[int], rounds: Optional[
     """The layer's x @ kernel + bias of every round's rows, each round's product on its own,
     joined along the rows (shard k's, or every shard's when k is None)."""
     if k is None:
-        zs = layer.joined_rounds(xs, rounds)
-    else:
-        zs = layer.forward_shard_rounds(xs, k, rounds, sample)
-    return joined_rows(zs)
+        return layer.joined_rounds(xs, rounds)
+    return layer.forward_shard_rounds(xs, k, rounds, sample)
 
 
 def _activate(head, i: int, z: tf.Tensor) -> tf.Tensor:

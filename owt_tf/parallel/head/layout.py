@@ -28,7 +28,8 @@ import tensorflow as tf
 
 from owt_tf.layers import l2_normalize
 from owt_tf.models.head_weights import ArrayWeights, WholeWeights
-from owt_tf.parallel.head.rounds import cosine_rounds_matmul, per_round, rounds_matmul
+from owt_tf.parallel.head.rounds import (cosine_rounds_matmul, joined_rows, per_round,
+                                         rounds_matmul)
 from owt_tf.models.spec import HeadSpec
 from owt_tf.parallel.head import sampling
 from owt_tf.parallel.head.loss import HeadLoss
@@ -199,24 +200,26 @@ class ShardedDense(tf.Module):
             raise RuntimeError(f"{self.name}: joining shards needs every shard in this process")
 
     def joined_rounds(self, xs: Sequence[tf.Tensor],
-                      rounds: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
-        """x @ kernel + bias for every round's rows x, with every shard joined on this device
-        (unpadded): what a one-device Dense layer with these weights computes. A class-major
+                      rounds: Optional[Sequence[int]] = None) -> tf.Tensor:
+        """x @ kernel + bias for every round's rows x, joined in round order, with every shard
+        joined on this device (unpadded): what a one-device Dense layer with these weights
+        computes. A class-major
         layer's shards are multiplied one by one and their logits joined: its kernel is
         never joined (5 GB for 10M classes of 128)."""
         if self.class_major:
             self._check_all_local()
 
             def logits(x, i):
-                parts = [self._products([x], k, None, None)[0] for k in range(self.num_shards)]
+                parts = [self._products([x], k, None, None) for k in range(self.num_shards)]
                 return tf.concat(parts, axis=1)[:, :self.out_dim]
 
-            return per_round(logits, xs, rounds)
+            return joined_rows(per_round(logits, xs, rounds))
         kernel, bias = (tf.cast(v, xs[0].dtype) for v in self.joined_variables())
         if self.cosine:
             kernel = l2_normalize(kernel, axis=0)
-            return per_round(lambda x, i: tf.matmul(l2_normalize(x, axis=-1), kernel), xs, rounds)
-        return per_round(lambda x, i: tf.matmul(x, kernel) + bias, xs, rounds)
+            return joined_rows(per_round(
+                lambda x, i: tf.matmul(l2_normalize(x, axis=-1), kernel), xs, rounds))
+        return joined_rows(per_round(lambda x, i: tf.matmul(x, kernel) + bias, xs, rounds))
 
     def sampled_rows(self, k: int, sample: sampling.SampledColumns) -> "SampledRows":
         """Shard k's sampled classes: their kernel rows and biases, read from the variables
@@ -229,10 +232,10 @@ class ShardedDense(tf.Module):
 
     def forward_shard_rounds(self, xs: Sequence[tf.Tensor], k: int,
                              rounds: Optional[Sequence[int]] = None,
-                             sampled: Optional["SampledRows"] = None) -> List[tf.Tensor]:
-        """x @ kernel_k + bias_k for every round's rows x in xs, in x's dtype (float32
-        weights are cast, as Keras' mixed precision does: their gradients stay float32).
-        Each round's product on its own (under the name scope of round rounds[i] if given:
+                             sampled: Optional["SampledRows"] = None) -> tf.Tensor:
+        """x @ kernel_k + bias_k for every round's rows x in xs, joined in round order, in
+        x's dtype (float32 weights are cast, as Keras' mixed precision does: their gradients
+        stay float32). Each round's product on its own (under the name scope of round rounds[i] if given:
         it may start as soon as that round's rows arrive), their backward as one product over
         all rounds' rows (`rounds_matmul`). For ROW, x is this shard's input slice and the
         bias slice lands on its own columns, so the all-reduce that follows adds every bias
@@ -252,8 +255,7 @@ class ShardedDense(tf.Module):
         if self.split == ROW:
             width = self.out_dim // self.num_shards
             bias = tf.pad(bias, [[k * width, (self.num_shards - 1 - k) * width]])
-        products = rounds_matmul(list(xs), kernel, rounds, transposed)
-        return per_round(lambda y, i: y + bias, products, rounds)
+        return rounds_matmul(list(xs), kernel, rounds, transposed) + bias
 
 
 class SampledRows(NamedTuple):

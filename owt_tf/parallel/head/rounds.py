@@ -29,27 +29,26 @@ def joined_rows(ts: Sequence[tf.Tensor]) -> tf.Tensor:
 
 
 def rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
-                   rounds: Optional[Sequence[int]], transposed: bool = False) -> List[tf.Tensor]:
-    """[x @ kernel for x in xs] (`transposed`: kernel is [out, in], x @ kernel^T), each
-    product under its round's name scope. Backward: the
-    kernel's gradient as one product of all rounds' rows joined, not one per round summed:
-    a round of B rows reads and writes the whole kernel gradient, so K rounds of a
-    9216x1024 shard moved K times its 38 MB (paper AlexNet's first FC layer), the
-    memory traffic that made owt-b and owt-c slower than owt-a on a CPU. The same sum,
-    in another order."""
+                   rounds: Optional[Sequence[int]], transposed: bool = False) -> tf.Tensor:
+    """x @ kernel for the rows of every round in xs, joined in round order (`transposed`:
+    kernel is [out, in], x @ kernel^T); each round's product on its own, under its round's
+    name scope. Backward: the kernel's gradient as one product of all rounds' rows joined,
+    not one per round summed: a round of B rows reads and writes the whole kernel gradient,
+    so K rounds of a 9216x1024 shard moved K times its 38 MB (paper AlexNet's first FC
+    layer), the memory traffic that made owt-b and owt-c slower than owt-a on a CPU. The
+    same sum, in another order. The join is inside the gradient: the joined products'
+    gradient arrives whole, never split per round and joined again (a million-class
+    layer's logits: 0.5 GB a copy)."""
     def each_round(kernel, xs):
-        return per_round(lambda x, i: tf.matmul(x, kernel, transpose_b=transposed), xs, rounds)
+        return joined_rows(per_round(lambda x, i: tf.matmul(x, kernel, transpose_b=transposed),
+                                     xs, rounds))
 
     if len(xs) == 1:
         return each_round(kernel, xs)
 
     @tf.custom_gradient
     def products(kernel, *xs):
-        ys = each_round(kernel, xs)
-
-        def grad(*dys):
-            dys = [tf.zeros_like(y) if dy is None else dy for y, dy in zip(ys, dys)]
-            dy = tf.concat(dys, axis=0)
+        def grad(dy):
             x = tf.concat(xs, axis=0)
             if transposed:
                 dkernel = tf.matmul(dy, x, transpose_a=True)
@@ -59,14 +58,14 @@ def rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
                 dx = tf.matmul(dy, kernel, transpose_b=True)
             return [dkernel] + tf.split(dx, [int(x.shape[0]) for x in xs], axis=0)
 
-        return ys, grad
+        return each_round(kernel, xs), grad
 
     return products(kernel, *xs)
 
 
 def cosine_rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
                          rounds: Optional[Sequence[int]],
-                         transposed: bool = False) -> List[tf.Tensor]:
+                         transposed: bool = False) -> tf.Tensor:
     """rounds_matmul of the rows `xs` (already unit rows) by the kernel's classes normalised
     to unit length (a cosine class layer, owt_tf.layers.NormalizedDense: x̂ @ (W / ||W||)),
     computed as (x̂ @ W) / ||W||, the norms floored as owt_tf.layers.l2_normalize floors them.
@@ -83,22 +82,20 @@ def cosine_rounds_matmul(xs: List[tf.Tensor], kernel: tf.Tensor,
     def products(kernel, *xs):
         squares = _column_square_sums(kernel, axis)
         inverse = tf.math.rsqrt(tf.maximum(squares, NORM_EPSILON))
-        ys = per_round(lambda x, i: tf.matmul(x, kernel, transpose_b=transposed) * inverse,
-                       xs, rounds)
+        y = joined_rows(per_round(
+            lambda x, i: tf.matmul(x, kernel, transpose_b=transposed) * inverse, xs, rounds))
 
-        def grad(*dys):
-            dys = [tf.zeros_like(y) if d is None else d for y, d in zip(ys, dys)]
+        def grad(dy):
             # the norm's part; nothing where the floor holds the norm (l2_normalize's too)
-            c = inverse * inverse * tf.add_n([tf.reduce_sum(d * y, 0) for d, y in zip(dys, ys)])
+            c = inverse * inverse * tf.reduce_sum(dy * y, 0)
             c = tf.where(squares > NORM_EPSILON, c, tf.zeros_like(c))
-            dy = joined_rows(dys)
             dkernel = _kernel_gradient(joined_rows(xs), dy, inverse, kernel, c, transposed)
             dx = _rows_gradient(dy, inverse, kernel, transposed)
             return [dkernel] + tf.split(dx, [int(t.shape[0]) for t in xs], axis=0)
 
-        return ys, grad
+        return y, grad
 
-    return list(products(kernel, *xs))
+    return products(kernel, *xs)
 
 
 @tf.function(jit_compile=True, autograph=False)
