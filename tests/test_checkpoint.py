@@ -25,24 +25,12 @@ def _assert_same_weights(a, b, tol=1e-5):
         assert rel_err(xk, yk) < tol and rel_err(xb, yb) < tol
 
 
-def test_resume_equals_training_in_one_go(devices, tmp_path):
-    """Dropout on: its masks are seeded by the step, so they are restored with it."""
-    base = RunConfig.from_flags(scheme="owt-b", devices=2, batch_size=8, fc_batch="worker", steps=12,
-                                eval_every=0, checkpoint_every=0, seed=3)
-    whole = _fit(devices, base.replace(logdir=str(tmp_path / "whole")), 12)
-    split_dir = str(tmp_path / "split")
-    first = _fit(devices, base.replace(logdir=split_dir), 6)
-    assert first.checkpoints.manager.latest_checkpoint.endswith("ckpt-6")
-    resumed = _fit(devices, base.replace(logdir=split_dir), 12)
-    assert resumed.resumed_from.endswith("ckpt-6")
-    assert int(resumed.step) == 12
-    _assert_same_weights(resumed.model.full_weights(), whole.model.full_weights())
-
-
 @pytest.mark.slow
 def test_saved_at_four_devices_resumes_at_two(devices, tmp_path):
-    """FC shards and momenta are saved whole and re-split; fc_batch=global, same global batch."""
-    common = dict(fc_batch="global", lr=0.01, lr_scaling="none", dropout=0.0, eval_every=0,
+    """FC shards and momenta are saved whole and re-split; fc_batch=global, the same global
+    batch. With the default --lr and linear scaling: the rates follow the global batch (16),
+    not K (scaled by K or by the per-replica batch, the resumed steps would differ)."""
+    common = dict(fc_batch="global", lr_scaling="linear", dropout=0.0, eval_every=0,
                   checkpoint_every=0, seed=4, steps=8)
     k4 = RunConfig.from_flags(scheme="owt-a", devices=4, batch_size=4, **common)
     never_stopped = _fit(devices, k4.replace(logdir=str(tmp_path / "k4")), 8)
@@ -80,38 +68,6 @@ def test_a_sampled_cli_run_resumes_at_another_k(devices, tmp_path, k_from, k_to)
     assert int(resumed.step) == 5
     after = resumed.model.full_weights()["head"][-1][0]
     assert 0 < rel_err(after, saved["head"][-1][0]) < 1
-
-
-def _cli_train(*flags):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.run([sys.executable, "-m", "owt_tf.train", *map(str, flags)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def _checkpoint_tensors(logdir, step):
-    reader = tf.train.load_checkpoint(os.path.join(logdir, "checkpoints", f"ckpt-{step}"))
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if not name.startswith(("save_counter", "_CHECKPOINTABLE_OBJECT_GRAPH"))}
-
-
-@pytest.mark.slow
-def test_resumed_at_another_k_with_the_same_global_batch_keeps_its_rates(tmp_path):
-    """Through the CLI with the default --lr and linear scaling: 3 steps at K=4 (B=8), then 3
-    at K=2 (B=16) equal 6 steps at K=4: the rates follow the global batch (32), not K."""
-    common = ["--dropout", 0, "--eval-every", 0, "--checkpoint-every", 0, "--histogram-every", 0,
-              "--seed", 3]
-    whole, moved = tmp_path / "whole", tmp_path / "moved"
-    _cli_train(*common, "--devices", 4, "--batch-size", 8, "--steps", 6, "--logdir", whole)
-    _cli_train(*common, "--devices", 4, "--batch-size", 8, "--steps", 3, "--logdir", moved)
-    _cli_train(*common, "--devices", 2, "--batch-size", 16, "--steps", 6, "--logdir", moved)
-    want, got = _checkpoint_tensors(whole, 6), _checkpoint_tensors(moved, 6)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        if want[name].dtype.kind == "f":
-            assert rel_err(got[name], want[name]) < 1e-5, name
-        else:
-            assert (got[name] == want[name]).all(), name
 
 
 @pytest.mark.slow
@@ -173,9 +129,13 @@ def test_a_run_with_the_old_flat_run_config_still_loads_and_resumes(devices, tmp
 
 
 def test_checkpoints_use_the_keras_files_keys_and_old_momentum_names_still_load(devices, tmp_path):
-    """One key scheme for the head's state (owt_tf.parallel.head.state): a CLI checkpoint
-    names SGD's momentum as slot 0, as a Keras weights file does; a checkpoint written with
-    the names of earlier versions (fc{i}_kernel_momentum) resumes exactly."""
+    """Resuming equals training in one go, dropout on (its masks are seeded by the step,
+    restored with it). One key scheme for the head's state (owt_tf.parallel.head.state): a
+    CLI checkpoint names SGD's momentum as slot 0, as a Keras weights file does; a
+    checkpoint written with the names of earlier versions (fc{i}_kernel_momentum) resumes
+    exactly (the resume here reads those names; the K-change test and the CLI's
+    tests/test_reliability.py resume from today's)."""
+    assert RunConfig.from_flags().model.dropout > 0
     base = RunConfig.from_flags(scheme="owt-b", devices=2, batch_size=8, fc_batch="worker",
                                 steps=8, eval_every=0, checkpoint_every=0, seed=5)
     whole = _fit(devices, base.replace(logdir=str(tmp_path / "whole")), 8)

@@ -98,11 +98,15 @@ def _wait_for(path, proc, timeout=300):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, sig):
+def test_signal_saves_a_checkpoint_and_the_run_resumes(uninterrupted, tmp_path, sig):
+    """SIGTERM or SIGINT: a checkpoint of the step it stopped at, one line naming it and the
+    command that resumes; after SIGTERM the same command (to RUN's end) ends bit-identical
+    to the run never stopped."""
     logdir = str(tmp_path / "run")
-    flags = ["--steps", "100000", "--eval-every", "0", "--checkpoint-every", "2", "--deterministic",
-             "--histogram-every", "0", "--logdir", logdir]
-    proc = subprocess.Popen([sys.executable, "-m", "owt_tf.train", *flags], stdout=subprocess.PIPE,
+    flags = [*RUN, "--logdir", logdir]
+    # checkpoints every 2 steps and no end in sight, until the signal
+    proc = subprocess.Popen([sys.executable, "-m", "owt_tf.train", *flags, "--steps", "100000",
+                             "--checkpoint-every", "2"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env())
     try:
         _wait_for(os.path.join(logdir, "checkpoints", "checkpoint"), proc)
@@ -117,13 +121,10 @@ def test_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, sig):
     assert int(_tensors(logdir)["step/.ATTRIBUTES/VARIABLE_VALUE"]) == stopped
     if sig != signal.SIGTERM:
         return
-    # the same command, to a nearby end, equals a run never stopped
-    end = ["--steps", str(stopped + 2)]
-    resumed = _train(*flags, *end)
+    assert stopped < STEPS  # the signal came right after the first checkpoint
+    resumed = _train(*flags)
     assert resumed.returncode == 0 and f"at step {stopped}" in resumed.stdout, resumed.stderr[-3000:]
-    straight = str(tmp_path / "straight")
-    assert _train(*flags[:-1], straight, *end).returncode == 0
-    _assert_bit_identical(_tensors(logdir, stopped + 2), _tensors(straight, stopped + 2))
+    _assert_bit_identical(_tensors(logdir, STEPS), uninterrupted)
 
 
 @pytest.mark.slow
@@ -258,25 +259,26 @@ def _file_size_limit(limit):
 
 
 @pytest.mark.slow
-def test_failed_checkpoint_write_is_reported_and_the_previous_one_kept(tmp_path):
+def test_failed_checkpoint_write_is_reported_and_the_previous_one_kept(uninterrupted_run,
+                                                                       tmp_path):
     logdir = str(tmp_path / "run")
-    flags = ["--steps", "4", "--eval-every", "0", "--checkpoint-every", "2", "--histogram-every", "0",
-             "--logdir", logdir]
-    assert _train(*flags).returncode == 0
-    before = _tensors(logdir, 4)
-    # resumed with a file-size limit far below a checkpoint's data file: the write of
-    # step 6's checkpoint fails the way a full disk makes it fail
-    proc = subprocess.run([sys.executable, "-m", "owt_tf.train", *flags[2:], "--steps", "8"],
+    shutil.copytree(uninterrupted_run, logdir)
+    before = _tensors(logdir, STEPS)
+    # resumed with a file-size limit far below a checkpoint's data file: the write of the
+    # next checkpoint fails the way a full disk makes it fail
+    proc = subprocess.run([sys.executable, "-m", "owt_tf.train", *RUN, "--logdir", logdir,
+                           "--steps", str(STEPS + 3)],
                           capture_output=True, text=True, env=_env(), timeout=600,
                           preexec_fn=_file_size_limit(200_000))
     assert proc.returncode == 4, proc.stderr[-3000:]
     errors = [l for l in proc.stderr.splitlines() if "owt_tf.train: error" in l]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert "could not write the checkpoint of step 6" in errors[0]
-    assert "ckpt-4 is intact" in errors[0] and "File too large" in errors[0]
-    assert not os.path.exists(os.path.join(logdir, "checkpoints", "ckpt-6_temp"))
-    assert tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints")).endswith("ckpt-4")
-    _assert_bit_identical(_tensors(logdir, 4), before)
+    assert f"could not write the checkpoint of step {STEPS + 3}" in errors[0]
+    assert f"ckpt-{STEPS} is intact" in errors[0] and "File too large" in errors[0]
+    assert not os.path.exists(os.path.join(logdir, "checkpoints", f"ckpt-{STEPS + 3}_temp"))
+    assert tf.train.latest_checkpoint(os.path.join(logdir, "checkpoints")).endswith(
+        f"ckpt-{STEPS}")
+    _assert_bit_identical(_tensors(logdir, STEPS), before)
 
 
 # -- one writer per run directory ----------------------------------------------------------
