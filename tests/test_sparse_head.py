@@ -178,6 +178,29 @@ def test_kernels_built_in_the_scope_given_values_or_not_parallelized(monkeypatch
                                                                            rel=0.02)
 
 
+def test_an_undrawn_trunk_kernel_is_drawn_whole_for_the_trunk(monkeypatch, devices):
+    """A face model's embedding Dense is the trunk's (the cosine class layer alone is the
+    head): over the size limit in the scope it has no value either, and parallelize draws
+    it whole for the mirrored trunk, which then trains."""
+    monkeypatch.setattr(head_weights, "UNDRAWN_KERNEL_BYTES", FEATURES * FEATURES * 4)
+    strategy = owt_tf.HybridStrategy(devices=devices[:2], scheme="owt-b")
+    with strategy.scope():
+        inputs = keras.Input((SIDE, SIDE, 3))
+        h = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(FEATURES, 3)(inputs))
+        h = keras.layers.BatchNormalization()(keras.layers.Dense(FEATURES, name="embed")(h))
+        model = keras.Model(inputs, NormalizedDense(CLASSES, name="classes")(h))
+        assert head_weights.is_undrawn(model.get_layer("embed").kernel)
+        parallel = owt_tf.parallelize(model, seed=0)
+        parallel.compile(optimizer=keras.optimizers.SGD(0.1),
+                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    embed = parallel.get_layer("embed").kernel.numpy()
+    assert embed.std() == pytest.approx(np.sqrt(2.0 / (2 * FEATURES)), rel=0.1)  # Glorot
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, SIDE, SIDE, 3)).astype(np.float32)
+    history = parallel.fit(x, rng.integers(0, CLASSES, 8), batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
 @pytest.mark.parametrize("class_major", [False, True])
 def test_shards_made_a_block_at_a_time_equal_the_whole(monkeypatch, devices, class_major):
     """A shard above the block size is filled a block of columns at a time, the padding of
