@@ -4,6 +4,11 @@ cross-entropy stays exact where a softmax without its max shift overflows; a cos
 layer's product and gradient equal the normalised kernel's, with one kernel-sized tensor."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -229,3 +234,38 @@ def test_a_class_layer_s_rounds_are_joined_once_and_their_gradient_never_split(c
                  if op.name.startswith("gradient_tape/")
                  for out in op.outputs if out.shape.as_list() == [3, 15]]
     assert one_round == []
+
+
+SQUARES_PEAK = """
+import json, sys
+import numpy as np, tensorflow as tf
+from owt_tf.parallel.head import rounds
+rounds.SQUARES_BLOCK_BYTES = 4 << 20
+kernel = tf.Variable(tf.random.normal([64, 131072] if sys.argv[1] == "0" else [131072, 64]))
+axis = int(sys.argv[1])
+run = tf.function(lambda: rounds._column_square_sums(tf.convert_to_tensor(kernel), axis),
+                  autograph=False)
+run()
+before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+tf.config.experimental.reset_memory_stats("CPU:0")
+got = run().numpy()
+peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+want = tf.reduce_sum(tf.square(kernel), axis).numpy()
+print(json.dumps({"peak": int(peak), "error": float(np.max(np.abs(got - want) / want))}))
+"""
+
+
+@pytest.mark.parametrize("axis", [0, 1], ids=["in-by-classes", "class-major"])
+def test_class_norms_are_summed_a_block_at_a_time(axis):
+    """The cosine layer's squared class norms of a 32 MiB kernel, 4 MiB blocks: equal to
+    the whole reduction, and the call's peak of live tensors (TensorFlow's BFC allocator,
+    in a process of its own) stays near a block: reducing the whole kernel at once held a
+    kernel-sized temporary (1 GB of a [512, 524,288] shard)."""
+    proc = subprocess.run([sys.executable, "-c", SQUARES_PEAK, str(axis)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
+                                   TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["error"] < 1e-5
+    assert seen["peak"] < 12 << 20, seen  # the kernel: 32 MiB
