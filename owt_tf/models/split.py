@@ -291,7 +291,7 @@ def _copy_drawn_weights(original: keras.Model, clone: keras.Model) -> None:
     """The original's weights into its clone (Keras' set_weights, one variable at a time:
     no second copy of a large head in memory), but for undrawn kernels: the clone's stay
     undrawn too."""
-    for mine, theirs in zip(clone.weights, original.weights):
+    for mine, theirs in zip(clone.weights, original.weights, strict=True):
         if not is_undrawn(theirs):
             mine.assign(theirs)
 
