@@ -441,7 +441,7 @@ def _child_main(argv: Optional[List[str]] = None) -> int:
     record = run_child(a.child, a.classes, a.devices, a.global_batch, a.warmup, a.steps,
                        a.scheme, a.sample_rate, a.head, a.features, a.build, a.save_weights)
     with open(a.out, "w") as f:
-        json.dump(dict(dataclasses.asdict(record), precision=a.precision), f)
+        json.dump(dataclasses.asdict(dataclasses.replace(record, precision=a.precision)), f)
     return 0
 
 

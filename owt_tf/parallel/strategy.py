@@ -32,15 +32,6 @@ from owt_tf.planner.plan import (AUTO, ParallelPlan, PlanError, StepRounds,
 _ACTIVE: List["HybridStrategy"] = []  # entered HybridStrategy scopes, innermost last
 
 
-@contextlib.contextmanager
-def _undrawn_if(outermost: bool) -> Iterator[list]:
-    if not outermost:
-        yield []
-        return
-    with undrawn_large_kernels() as made:
-        yield made
-
-
 def current_strategy() -> Optional["HybridStrategy"]:
     """The HybridStrategy whose `scope()` is innermost on this thread, or None."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -156,10 +147,10 @@ class HybridStrategy:
         64 MB or more built in it (owt_tf.models.head_weights.undrawn_large_kernels) gets
         no value until `owt_tf.parallelize` draws its shards where they live; one that no
         parallelize took is drawn whole when the outermost scope closes."""
-        outermost = not _ACTIVE
+        undrawn = undrawn_large_kernels() if not _ACTIVE else contextlib.nullcontext([])
         _ACTIVE.append(self)
         try:
-            with self.placement.strategy.scope(), _undrawn_if(outermost) as made:
+            with self.placement.strategy.scope(), undrawn as made:
                 yield self
         finally:
             _ACTIVE.pop()

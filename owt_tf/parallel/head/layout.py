@@ -203,9 +203,8 @@ class ShardedDense(tf.Module):
                       rounds: Optional[Sequence[int]] = None) -> tf.Tensor:
         """x @ kernel + bias for every round's rows x, joined in round order, with every shard
         joined on this device (unpadded): what a one-device Dense layer with these weights
-        computes. A class-major
-        layer's shards are multiplied one by one and their logits joined: its kernel is
-        never joined (5 GB for 10M classes of 128)."""
+        computes. A class-major layer's shards are multiplied one by one and their logits
+        joined: its kernel is never joined (5 GB for 10M classes of 128)."""
         if self.class_major:
             self._check_all_local()
 
@@ -235,9 +234,9 @@ class ShardedDense(tf.Module):
                              sampled: Optional["SampledRows"] = None) -> tf.Tensor:
         """x @ kernel_k + bias_k for every round's rows x in xs, joined in round order, in
         x's dtype (float32 weights are cast, as Keras' mixed precision does: their gradients
-        stay float32). Each round's product on its own (under the name scope of round rounds[i] if given:
-        it may start as soon as that round's rows arrive), their backward as one product over
-        all rounds' rows (`rounds_matmul`). For ROW, x is this shard's input slice and the
+        stay float32). Each round's product on its own (under the name scope of round
+        rounds[i] if given: it may start as soon as that round's rows arrive), their backward
+        as one product over all rounds' rows (`rounds_matmul`). For ROW, x is this shard's input slice and the
         bias slice lands on its own columns, so the all-reduce that follows adds every bias
         once. `sampled` (sampled_rows): compute the sampled classes only, [rows, S]."""
         return self._products(xs, k, rounds, sampled)

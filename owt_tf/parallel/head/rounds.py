@@ -106,10 +106,12 @@ def _column_square_sums(kernel: tf.Tensor, axis: int) -> tf.Tensor:
     """Σ kernel² over `axis` (each class centre's squared norm), a block of the summed axis
     at a time, one block after the other: a reduction of the whole kernel holds a
     kernel-sized temporary, by XLA as by TensorFlow (measured with TF's BFC allocator on a
-    [512, 524,288] shard: 1,058 MiB for a 2 MiB result; by blocks: 142 MiB), and the
-    shards' reductions run at once (at 1M x 512, K = 2: 2 GB of a step's peak)."""
+    [512, 524,288] shard: 1,058 MiB for a 2 MiB result; by blocks: 4 MiB, 94 MiB
+    class-major), and the shards' reductions run at once (at 1M x 512, K = 2: 2 GB of a
+    step's peak)."""
     n = int(kernel.shape[axis])
-    step = max(1, n * SQUARES_BLOCK_BYTES // max(1, kernel.shape.num_elements() * 4))
+    nbytes = kernel.shape.num_elements() * kernel.dtype.size
+    step = max(1, n * SQUARES_BLOCK_BYTES // max(1, nbytes))
     if step >= n:
         return _square_sums(kernel, axis)
     total = None
